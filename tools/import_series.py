@@ -1,0 +1,105 @@
+"""Import the series into a git repository of the pinned upstream tree.
+
+    python -m tools.import_series DIR [--offline]
+
+DIR (new) becomes a git repository whose first commit is the verified sdist's
+whole tree, the stand-in for upstream's v0.16.0 tag (tagged ``stack-base``),
+followed by one commit per patch made by ``git am --keep-non-patch``, so
+``[Tag]`` subjects survive. That is also the proof that the series applies
+with ``git am`` onto upstream. Edit, rebase or add commits there, then write
+them back with ``python -m tools.export_series DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools._common import (
+    BASE_DATE,
+    SERIES_FILE,
+    TOOL_IDENT,
+    StackError,
+    load_pin,
+    read_series,
+    run_main,
+    say,
+)
+from tools.fetch import ensure, offline_default
+from tools.source import unpack
+
+TOOL = "import"
+BASE_TAG = "stack-base"
+
+
+def git(repo: Path, *args: str, env: dict[str, str] | None = None,
+        check: bool = True) -> subprocess.CompletedProcess[str]:
+    # Neither the user's nor the system's git config may change what an
+    # import or export writes: the round trip must be byte-identical anywhere.
+    full_env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull,
+                "GIT_CONFIG_NOSYSTEM": "1", **(env or {})}
+    cmd = ["git", "-C", str(repo), "-c", f"user.name={TOOL_IDENT[0]}",
+           "-c", f"user.email={TOOL_IDENT[1]}", "-c", "commit.gpgsign=false",
+           "-c", "core.autocrlf=false", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
+    if check and proc.returncode != 0:
+        raise StackError(f"`git {' '.join(args)}` failed in {repo}:\n"
+                         f"{proc.stdout}{proc.stderr}".rstrip())
+    return proc
+
+
+def make_base(repo: Path, *, offline: bool) -> None:
+    pin = load_pin()
+    sdist = ensure(pin.artifact("sdist"), offline=offline)
+    n = unpack(sdist, repo, full=True)
+    fixed = {"GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE}
+    git(repo, "init", "-q", "-b", "main")
+    # -f: upstream's .gitignore ignores generated files the sdist ships
+    # (vllm/_version.py); the base must be the sdist exactly.
+    git(repo, "add", "-A", "-f")
+    git(repo, "commit", "-q", "-m", f"{pin.project} {pin.tag} (sdist {sdist.name}, "
+        f"sha256 {pin.artifact('sdist').sha256})", env=fixed)
+    git(repo, "tag", BASE_TAG)
+    say(TOOL, f"{repo}: base commit of {n} files from {sdist.name}, tagged {BASE_TAG}")
+
+
+def am_series(repo: Path, series: Path) -> int:
+    names = read_series(series)
+    for name in names:
+        patch = (series.parent / name).resolve()
+        if not patch.exists():
+            raise StackError(f"{series} names {name}, which does not exist")
+        proc = git(repo, "am", "--keep-non-patch", "--committer-date-is-author-date",
+                   "--whitespace=nowarn", str(patch), check=False)
+        if proc.returncode != 0:
+            raise StackError(
+                f"git am stopped at {name}:\n{(proc.stdout + proc.stderr).strip()}\n"
+                f"{repo} is left mid-am: fix and `git am --continue` there, or "
+                "`git am --abort`."
+            )
+        say(TOOL, f"git am {name}")
+    return len(names)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.import_series",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path, help="new directory for the git repository")
+    ap.add_argument("--series", type=Path, default=SERIES_FILE)
+    ap.add_argument("--offline", action="store_true", default=offline_default())
+    args = ap.parse_args()
+    if args.dir.exists():
+        raise StackError(f"{args.dir} exists; choose a new directory (nothing was changed)")
+    make_base(args.dir, offline=args.offline)
+    n = am_series(args.dir, args.series)
+    say(TOOL, f"{n} patch(es) applied with git am onto {BASE_TAG} in {args.dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(TOOL, main)

