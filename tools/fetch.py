@@ -90,8 +90,10 @@ def find_url(index: str, art: Artifact) -> str:
     """Resolve the artifact's download URL from the index's project page
     (PEP 691 JSON, falling back to the PEP 503 HTML page)."""
     page = urllib.parse.urljoin(index.rstrip("/") + "/", f"{art.project}/")
+    # A file: index (a directory on disk, as pip accepts) serves index.html.
+    fetch_url = page + "index.html" if page.startswith("file:") else page
     req = urllib.request.Request(
-        page,
+        fetch_url,
         headers={
             "Accept": "application/vnd.pypi.simple.v1+json, "
             "text/html;q=0.1"

@@ -28,8 +28,9 @@ def main() -> int:
     args = ap.parse_args()
     total: Counter[str] = Counter()
     for r in args.reports:
-        counts = Counter(str(e.get("outcome")) for e in json.loads(r.read_text()).values()) \
-            if r.exists() else Counter({"failed": 1})
+        entries = json.loads(r.read_text()).values() if r.exists() else []
+        # No report, or an empty one: the run broke before any test ran.
+        counts = Counter(str(e.get("outcome")) for e in entries) or Counter({"failed": 1})
         print(f"[{TOOL}] {r.stem}: {counts['passed']} passed, {counts['failed']} failed, "
               f"{counts['skipped']} skipped")
         total += counts

@@ -4,29 +4,20 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # Appended, not prepended: the installed vllm (already imported by the root
-# conftest) must keep precedence over the repo-root vllm/ tree.
-if str(REPO_ROOT) not in sys.path:
-    sys.path.append(str(REPO_ROOT))
+# conftest) must keep precedence over the repo-root vllm/ tree. The first
+# entry makes `tools` importable, the second `stack_tooling`.
+for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parent):
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
 
+from stack_tooling import REPO_ROOT  # noqa: E402
 
-def run_tool(module: str, *args: str, env: dict[str, str] | None = None,
-             cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
-    """Run a tool the way a user does: ``python -m tools.X`` from the repo."""
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", f"tools.{module}", *args],
-        cwd=cwd, capture_output=True, text=True,
-        env={**os.environ, **(env or {})},
-    )
 
 
 @pytest.fixture

@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Which target model types SpeculativeConfig accepts for method "eagle3".
+
+Most cases call the real validator (SpeculativeConfig._verify_args) on a
+config object whose target model config is a small stand-in, so every model
+type can be checked without loading a checkpoint; one case builds a full
+SpeculativeConfig from tiny local config files.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.config.speculative import SpeculativeConfig
+
+FAMILY = [
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "kimi_k2",
+    "kimi_k25",
+    "glm_moe_dsa",
+]
+# Model types that were rejected before and must stay rejected, including
+# look-alikes of the family that a substring match would let through.
+REJECTED = [
+    "mistral",
+    "gemma",
+    "gemma3",
+    "deepseek_vl_v2",
+    "deepseek",
+    "deepseek_v3_vl",
+    "deepseek_v4",
+    "kimi_vl",
+    "kimi_linear",
+    "glm4_moe",
+    "glm_moe_dsa_v2",
+    "mixtral",
+]
+
+
+def verify(model_type: str, top_level_model_type: str | None = None):
+    """Run the real _verify_args for method eagle3 and the given target."""
+    config = object.__new__(SpeculativeConfig)
+    fields = {
+        "tensor_parallel_size": None,
+        "num_speculative_tokens": 3,
+        "draft_model_config": None,
+        "disable_by_batch_size": None,
+        "method": "eagle3",
+        "target_model_config": SimpleNamespace(
+            hf_text_config=SimpleNamespace(model_type=model_type),
+            hf_config=SimpleNamespace(model_type=top_level_model_type or model_type),
+        ),
+    }
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    return config._verify_args()
+
+
+@pytest.mark.parametrize("model_type", FAMILY)
+def test_eagle3_accepts_deepseek_family(model_type):
+    assert verify(model_type).method == "eagle3"
+
+
+def test_eagle3_accepts_kimi_k25_wrapper():
+    # Kimi-K2.5's text config is a DeepseekV3Config; the wrapper is kimi_k25.
+    assert verify("deepseek_v3", top_level_model_type="kimi_k25").method == "eagle3"
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize(
+    "model_type", ["llama", "qwen2", "qwen3_moe", "minicpm", "gpt_oss", "afmoe"]
+)
+def test_eagle3_still_accepts_existing_types(model_type):
+    assert verify(model_type).method == "eagle3"
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("model_type", REJECTED)
+def test_eagle3_still_rejects_other_types(model_type):
+    with pytest.raises(ValueError, match="Eagle3 is only supported for") as exc_info:
+        verify(model_type)
+    assert repr(model_type) in str(exc_info.value)
+
+
+def test_eagle3_rejection_lists_both_sets():
+    with pytest.raises(ValueError) as exc_info:
+        verify("mistral")
+    msg = str(exc_info.value)
+    assert "'llama'" in msg
+    for model_type in FAMILY:
+        assert repr(model_type) in msg
+    assert "model_type='mistral'" in msg
+
+
+def test_eagle3_family_member_inside_rejected_wrapper_is_not_enough():
+    # Exact match only: a family name as a prefix/suffix gets nothing new.
+    for model_type in ("deepseek_v3_mtp", "xdeepseek_v2", "kimi_k2_vl"):
+        with pytest.raises(ValueError, match="Eagle3 is only supported for"):
+            verify(model_type)
+    # ...while the exact family names pass (so this test fails on stock).
+    assert verify("deepseek_v3").method == "eagle3"
+
+
+# ------------------------------------------------- full SpeculativeConfig
+
+
+def _write_config(path, **config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3_targets")
+    target = _write_config(
+        root / "target",
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=128,
+        torch_dtype="bfloat16",
+    )
+    draft = _write_config(
+        root / "draft",
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        draft_vocab_size=256,
+        max_position_embeddings=128,
+        torch_dtype="bfloat16",
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+    )
+    return target, draft
+
+
+def test_speculative_config_accepts_deepseek_v3_target(tiny_checkpoints):
+    from vllm.config import ModelConfig, ParallelConfig
+
+    target, draft = tiny_checkpoints
+    target_config = ModelConfig(
+        model=target, tokenizer=target, skip_tokenizer_init=True, dtype="bfloat16"
+    )
+    assert target_config.hf_text_config.model_type == "deepseek_v3"
+    config = SpeculativeConfig(
+        method="eagle3",
+        model=draft,
+        num_speculative_tokens=2,
+        target_model_config=target_config,
+        target_parallel_config=ParallelConfig(),
+    )
+    assert config.method == "eagle3"
+    assert config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids == [
+        1,
+        2,
+        3,
+    ]
