@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, run_tool
+from stack_tooling import REPO_ROOT, run_tool
 
 
 def _series_target(patches: Path) -> tuple[str, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_tool
+from stack_tooling import run_tool
 
 GOOD = b"the pinned artifact\n" * 100
 NAME = "fakeproj-1.0.tar.gz"
@@ -96,7 +96,7 @@ def test_offline_build_without_cache_fails_clearly(tmp_path: Path):
     import os
     import subprocess
 
-    from conftest import REPO_ROOT
+    from stack_tooling import REPO_ROOT
 
     proc = subprocess.run(
         [str(REPO_ROOT / "build.sh"), "--offline", "--cpu"],

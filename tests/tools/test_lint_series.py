@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import run_tool
+from stack_tooling import run_tool
 
 
 def first_patch(patches: Path) -> Path:

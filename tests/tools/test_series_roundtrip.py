@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, run_tool
+from stack_tooling import REPO_ROOT, run_tool
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from stack_tooling import REPO_ROOT
 
 VARIANT = os.environ.get("EAGLE3_STACK_VARIANT", "")
 
