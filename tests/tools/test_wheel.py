@@ -23,12 +23,11 @@ VARIANT = os.environ.get("EAGLE3_STACK_VARIANT", "")
 
 def _built(cpu: bool) -> Path:
     from tools._common import load_pin
+    from tools.build_wheel import output_name
 
-    prefix = "vllm_cpu" if cpu else "vllm"
-    found = sorted((REPO_ROOT / "dist").glob(f"{prefix}-{load_pin().version}+*x86_64.whl"),
-                   key=lambda p: p.stat().st_mtime)
-    assert found, f"no {prefix} wheel in dist/: run ./build.sh{' --cpu' if cpu else ''}"
-    return found[-1]
+    path = REPO_ROOT / "dist" / output_name(load_pin(), arch="x86_64", cpu=cpu)
+    assert path.exists(), f"{path.name} not in dist/: run ./build.sh{' --cpu' if cpu else ''}"
+    return path
 
 
 def _official(cpu: bool) -> Path:
@@ -39,11 +38,11 @@ def _official(cpu: bool) -> Path:
                   offline=False)
 
 
-def _expected_label() -> str:
-    from tools._common import load_pin, series_digest
+def _expected_label(cpu: bool = False) -> str:
+    from tools._common import load_pin
+    from tools.build_wheel import stack_version
 
-    pin = load_pin()
-    return f"{pin.version}+{pin.local_label}.{series_digest()}"
+    return stack_version(load_pin(), cpu=cpu)
 
 
 def _touched() -> set[str]:
@@ -82,7 +81,7 @@ def test_wheel_differs_only_where_the_series_says(cpu: bool):
 @pytest.mark.parametrize("cpu", [False, True], ids=["cuda", "cpu"])
 def test_record_verifies_and_dist_info_is_relabelled(cpu: bool):
     path = _built(cpu)
-    label = _expected_label() + (".cpu" if cpu else "")
+    label = _expected_label(cpu)
     assert f"-{label}-" in path.name
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None
@@ -120,7 +119,7 @@ def test_installed_wheel_reports_the_label():
 
     if VARIANT not in ("cuda", "cpu"):
         pytest.fail("run through ./test.sh, which sets EAGLE3_STACK_VARIANT")
-    label = _expected_label() + (".cpu" if VARIANT == "cpu" else "")
+    label = _expected_label(VARIANT == "cpu")
     assert vllm.__version__ == label
     # vllm/entrypoints/cli/main.py: `version=importlib.metadata.version("vllm")`
     assert importlib.metadata.version("vllm") == label
