@@ -1,0 +1,803 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Write tiny, seeded, random checkpoints for the EAGLE-3 target families.
+
+Nothing here is downloaded: every file is generated on the fly from a seed, so
+the same command always writes byte-identical weights. The checkpoints are a
+few MB, float32 by default, and never committed.
+
+Kinds:
+
+``deepseek-v3``
+    ``DeepseekV3ForCausalLM`` (model_type ``deepseek_v3``): MLA projections
+    (q_lora, kv_lora), ``first_k_dense_replace`` dense layers, then MoE layers
+    with a shared expert, ``topk_method="noaux_tc"`` sigmoid routing over
+    ``n_group``/``topk_group`` with a NON-ZERO ``e_score_correction_bias``.
+    Head size qk_nope 48 + qk_rope 16 = 64 (= v_head_dim), which the CPU
+    attention kernels support once MLA is disabled.
+``kimi-k25``
+    ``KimiK25ForConditionalGeneration`` (model_type ``kimi_k25``): the same
+    DeepSeek-V3 text model under ``language_model.``, a tiny MoonViT vision
+    tower and patch-merger projector, and a small image processor shipped as
+    checkpoint code (``auto_map``), as the real checkpoint does.
+``glm5``
+    ``GlmMoeDsaForCausalLM`` (model_type ``glm_moe_dsa``): DeepSeek-V3.2 style
+    MLA + MoE plus the DSA sparse-attention indexer weights
+    (``self_attn.indexer.*``). ``--remote-code-config`` also writes a config
+    class (``auto_map``) for transformers versions that do not know
+    ``glm_moe_dsa`` (4.57 does not).
+``eagle3-drafter``
+    An EAGLE-3 draft head (``LlamaForCausalLMEagle3``, one Llama layer, ``fc``
+    over 3 target states, ``d2t``/``t2d`` vocabulary maps) whose config carries
+    ``eagle_aux_hidden_state_layer_ids``. Sized for the default
+    ``deepseek-v3`` target unless told otherwise.
+
+Every kind gets the same minimal tokenizer: a byte-level BPE ``tokenizer.json``
+(256 byte tokens, no merges, so one token per UTF-8 byte) plus special tokens,
+loaded offline by ``PreTrainedTokenizerFast``.
+
+Only torch, safetensors and the standard library are used (no vLLM, no
+transformers), so the GPU harness can import this module as is::
+
+    from tiny_checkpoints import write_checkpoint
+    info = write_checkpoint("deepseek-v3", "/tmp/ckpt/dsv3", seed=0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+KINDS: tuple[str, ...] = ("deepseek-v3", "kimi-k25", "glm5", "eagle3-drafter")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+# Kimi-K2.5's media tokens (its processor and placeholder strings use these).
+KIMI_MEDIA_TOKENS: tuple[str, ...] = (
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_pad|>",
+    "<|media_end|>",
+    "<|kimi_k25_video_placeholder|>",
+)
+BASE_SPECIALS: tuple[str, ...] = (BOS, EOS, PAD) + KIMI_MEDIA_TOKENS
+# The config's vocab_size; tokens past the named ones are "<|reserved_N|>"
+# specials, so every id the random lm_head can pick decodes cleanly.
+VOCAB_SIZE = 320
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode table (ByteLevel BPE)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    )
+    codes = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, codes)}
+
+
+def special_token_ids(vocab_size: int = VOCAB_SIZE) -> dict[str, int]:
+    """Ids of all special tokens: named ones first, then reserved fillers."""
+    names = list(BASE_SPECIALS)
+    names += [f"<|reserved_{i}|>" for i in range(vocab_size - 256 - len(names))]
+    return {name: 256 + i for i, name in enumerate(names)}
+
+
+def write_tokenizer(outdir: Path, vocab_size: int = VOCAB_SIZE) -> list[str]:
+    """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json."""
+    if vocab_size < 256 + len(BASE_SPECIALS):
+        raise ValueError(f"vocab_size {vocab_size} too small for the tokenizer")
+    b2u = _bytes_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    specials = special_token_ids(vocab_size)
+    added = [
+        {
+            "id": i,
+            "content": name,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for name, i in specials.items()
+    ]
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
+    bos_id = specials[BOS]
+
+    def seq(name: str) -> dict[str, Any]:
+        return {"Sequence": {"id": name, "type_id": 0}}
+
+    bos_piece = {"SpecialToken": {"id": BOS, "type_id": 0}}
+    tokenizer_json = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [bos_piece, seq("A")],
+            "pair": [bos_piece, seq("A"), bos_piece, seq("B")],
+            "special_tokens": {
+                BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]},
+            },
+        },
+        "decoder": dict(byte_level, add_prefix_space=True),
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "chat_template": (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+        ),
+    }
+    special_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    files = {
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": tokenizer_config,
+        "special_tokens_map.json": special_map,
+    }
+    for name, obj in files.items():
+        _write_json(outdir / name, obj)
+    return list(files)
+
+
+# ---------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class WeightWriter:
+    """Seeded tensor factory; tensors are drawn in insertion order."""
+
+    seed: int
+    dtype: torch.dtype
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.gen = torch.Generator(device="cpu").manual_seed(self.seed)
+
+    def _add(self, name: str, t: torch.Tensor, keep_dtype: bool = False) -> None:
+        if name in self.tensors:
+            raise KeyError(f"duplicate tensor {name}")
+        self.tensors[name] = t.contiguous() if keep_dtype else t.to(self.dtype).contiguous()
+
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> None:
+        """Weight ~ N(0, 1/in_f): activations keep their scale layer to layer."""
+        w = torch.randn(out_f, in_f, generator=self.gen) / math.sqrt(in_f)
+        self._add(f"{name}.weight", w)
+        if bias:
+            self._add(f"{name}.bias", 0.02 * torch.randn(out_f, generator=self.gen))
+
+    def norm(self, name: str, dim: int, bias: bool = False) -> None:
+        """Norm gains near 1 (not exactly 1, so a skipped norm is visible)."""
+        self._add(f"{name}.weight", 1.0 + 0.1 * torch.randn(dim, generator=self.gen))
+        if bias:
+            self._add(f"{name}.bias", 0.02 * torch.randn(dim, generator=self.gen))
+
+    def normal(self, name: str, shape: Sequence[int], std: float) -> None:
+        self._add(name, std * torch.randn(*shape, generator=self.gen))
+
+    def raw(self, name: str, t: torch.Tensor) -> None:
+        self._add(name, t, keep_dtype=True)
+
+    def save(self, path: Path, metadata: dict[str, str] | None = None) -> None:
+        save_file(self.tensors, str(path), metadata=metadata or {"format": "pt"})
+
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+
+def deepseek_v3_text_config(**overrides: Any) -> dict[str, Any]:
+    """A tiny DeepSeek-V3 text config (HF field names, as in the real one)."""
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 2,
+        "moe_layer_freq": 1,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 48,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": special_token_ids()[BOS],
+        "eos_token_id": special_token_ids()[EOS],
+        "pad_token_id": special_token_ids()[PAD],
+        "torch_dtype": "float32",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def _write_deepseek_text_weights(
+    w: WeightWriter, cfg: dict[str, Any], prefix: str, indexer: bool = False
+) -> None:
+    """DeepSeek-V3 (and V3.2/GLM-5 with ``indexer``) text weights, HF names."""
+    h = cfg["hidden_size"]
+    n_heads = cfg["num_attention_heads"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    n_exp, moe_i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    m = f"{prefix}model"
+    w.normal(f"{m}.embed_tokens.weight", (cfg["vocab_size"], h), std=1.0)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"{m}.layers.{i}"
+        w.norm(f"{p}.input_layernorm", h)
+        w.norm(f"{p}.post_attention_layernorm", h)
+        a = f"{p}.self_attn"
+        if q_lora is None:
+            w.linear(f"{a}.q_proj", n_heads * (nope + rope), h)
+        else:
+            w.linear(f"{a}.q_a_proj", q_lora, h)
+            w.norm(f"{a}.q_a_layernorm", q_lora)
+            w.linear(f"{a}.q_b_proj", n_heads * (nope + rope), q_lora)
+        w.linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, h)
+        w.norm(f"{a}.kv_a_layernorm", kv_lora)
+        w.linear(f"{a}.kv_b_proj", n_heads * (nope + v), kv_lora)
+        w.linear(f"{a}.o_proj", h, n_heads * v)
+        if indexer:
+            ih, inh = cfg["index_head_dim"], cfg["index_n_heads"]
+            w.linear(f"{a}.indexer.wq_b", inh * ih, q_lora)
+            w.linear(f"{a}.indexer.wk", ih, h)
+            w.norm(f"{a}.indexer.k_norm", ih, bias=True)
+            w.linear(f"{a}.indexer.weights_proj", inh, h)
+        dense = i < cfg["first_k_dense_replace"] or i % cfg.get("moe_layer_freq", 1)
+        if dense:
+            for proj, (o, k) in {
+                "gate_proj": (cfg["intermediate_size"], h),
+                "up_proj": (cfg["intermediate_size"], h),
+                "down_proj": (h, cfg["intermediate_size"]),
+            }.items():
+                w.linear(f"{p}.mlp.{proj}", o, k)
+            continue
+        w.linear(f"{p}.mlp.gate", n_exp, h)
+        # Non-zero and large enough to change which experts win: an engine
+        # that ignored the correction bias would route differently.
+        bias = 0.5 * (torch.rand(n_exp, generator=w.gen) - 0.5)
+        w.raw(f"{p}.mlp.gate.e_score_correction_bias", bias.to(torch.float32))
+        for j in range(n_exp):
+            e = f"{p}.mlp.experts.{j}"
+            w.linear(f"{e}.gate_proj", moe_i, h)
+            w.linear(f"{e}.up_proj", moe_i, h)
+            w.linear(f"{e}.down_proj", h, moe_i)
+        if cfg.get("n_shared_experts"):
+            si = moe_i * cfg["n_shared_experts"]
+            w.linear(f"{p}.mlp.shared_experts.gate_proj", si, h)
+            w.linear(f"{p}.mlp.shared_experts.up_proj", si, h)
+            w.linear(f"{p}.mlp.shared_experts.down_proj", h, si)
+    w.norm(f"{m}.norm", h)
+    w.linear(f"{prefix}lm_head", cfg["vocab_size"], h)
+
+
+# ---------------------------------------------------------------------------
+# Kinds
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Written:
+    kind: str
+    outdir: Path
+    files: list[str]
+    num_params: int
+    config: dict[str, Any]
+
+    def summary(self) -> str:
+        size = sum((self.outdir / f).stat().st_size for f in self.files)
+        lines = [
+            f"wrote {self.kind} checkpoint to {self.outdir} "
+            f"({self.num_params:,} parameters, {size / 2**20:.1f} MiB)"
+        ]
+        lines += [f"  {f}" for f in sorted(self.files)]
+        return "\n".join(lines)
+
+
+def _finish(
+    kind: str, outdir: Path, w: WeightWriter, config: dict[str, Any], extra: list[str]
+) -> Written:
+    _write_json(outdir / "config.json", config)
+    _write_json(
+        outdir / "generation_config.json",
+        {
+            "bos_token_id": special_token_ids()[BOS],
+            "eos_token_id": special_token_ids()[EOS],
+            "do_sample": False,
+        },
+    )
+    w.save(outdir / "model.safetensors")
+    files = ["config.json", "generation_config.json", "model.safetensors", *extra]
+    return Written(kind, outdir, files, w.num_params(), config)
+
+
+def write_deepseek_v3(
+    outdir: Path, seed: int, dtype: str = "float32", **overrides: Any
+) -> Written:
+    cfg = deepseek_v3_text_config(torch_dtype=dtype, **overrides)
+    w = WeightWriter(seed, DTYPES[dtype])
+    _write_deepseek_text_weights(w, cfg, prefix="")
+    return _finish("deepseek-v3", outdir, w, cfg, write_tokenizer(outdir))
+
+
+def glm5_config(**overrides: Any) -> dict[str, Any]:
+    """GLM-5's config shape (glm_moe_dsa), shrunk; DSA indexer fields kept."""
+    cfg = deepseek_v3_text_config(
+        architectures=["GlmMoeDsaForCausalLM"],
+        model_type="glm_moe_dsa",
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        index_head_dim=32,
+        index_n_heads=4,
+        index_topk=64,
+        indexer_rope_interleave=True,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+GLM5_REMOTE_CONFIG = '''\
+# Generated by tools/tiny_checkpoints.py: lets transformers versions that do
+# not know model_type "glm_moe_dsa" (e.g. 4.57) load this tiny GLM-5 config
+# with trust_remote_code=True. Field names follow the real GLM-5 config.
+from transformers import DeepseekV3Config
+
+
+class GlmMoeDsaConfig(DeepseekV3Config):
+    model_type = "glm_moe_dsa"
+
+    def __init__(self, index_head_dim=128, index_n_heads=32, index_topk=2048,
+                 indexer_rope_interleave=True, **kwargs):
+        self.index_head_dim = index_head_dim
+        self.index_n_heads = index_n_heads
+        self.index_topk = index_topk
+        self.indexer_rope_interleave = indexer_rope_interleave
+        super().__init__(**kwargs)
+'''
+
+
+def write_glm5(
+    outdir: Path,
+    seed: int,
+    dtype: str = "float32",
+    remote_code_config: bool = False,
+    **overrides: Any,
+) -> Written:
+    cfg = glm5_config(torch_dtype=dtype, **overrides)
+    extra = write_tokenizer(outdir)
+    if remote_code_config:
+        (outdir / "configuration_glm_moe_dsa.py").write_text(GLM5_REMOTE_CONFIG)
+        cfg["auto_map"] = {"AutoConfig": "configuration_glm_moe_dsa.GlmMoeDsaConfig"}
+        extra.append("configuration_glm_moe_dsa.py")
+    w = WeightWriter(seed, DTYPES[dtype])
+    _write_deepseek_text_weights(w, cfg, prefix="", indexer=True)
+    return _finish("glm5", outdir, w, cfg, extra)
+
+
+KIMI_PROCESSOR_CODE = '''\
+# Generated by tools/tiny_checkpoints.py: a small stand-in for Kimi-K2.5's
+# checkpoint-shipped media processor, with the interface vLLM 0.16's
+# kimi_k25.py uses (preprocess, media_tokens_calculator, split_video_chunks,
+# num_frames_per_chunk). Images are resized to a fixed small patch grid.
+import numpy as np
+import torch
+from transformers.image_processing_utils import BaseImageProcessor
+
+
+class TinyKimiK25MediaProcessor(BaseImageProcessor):
+    model_input_names = ["pixel_values", "grid_thws"]
+
+    def __init__(self, patch_size=14, merge_kernel_size=(2, 2), grid_hw=(4, 4),
+                 num_frames_per_chunk=4, **kwargs):
+        super().__init__(**kwargs)
+        self.patch_size = patch_size
+        self.merge_kernel_size = list(merge_kernel_size)
+        self.grid_hw = list(grid_hw)
+        self.num_frames_per_chunk = num_frames_per_chunk
+
+    def _frames(self, chunk):
+        if chunk["type"] == "image":
+            return [chunk["image"]]
+        return list(chunk["video_chunk"])
+
+    def media_tokens_calculator(self, chunk):
+        gh, gw = self.grid_hw
+        kh, kw = self.merge_kernel_size
+        return (gh // kh) * (gw // kw)
+
+    def split_video_chunks(self, video):
+        n = self.num_frames_per_chunk
+        frames = list(video)
+        return [
+            {"type": "video_chunk", "video_chunk": frames[i:i + n]}
+            for i in range(0, len(frames), n)
+        ]
+
+    def _pixels(self, frame):
+        gh, gw = self.grid_hw
+        p = self.patch_size
+        img = frame.convert("RGB").resize((gw * p, gh * p))
+        x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0)
+        x = x.permute(2, 0, 1)  # 3, H, W
+        x = x.reshape(3, gh, p, gw, p).permute(1, 3, 0, 2, 4)
+        return x.reshape(gh * gw, 3, p, p)
+
+    def preprocess(self, vision_chunks, **kwargs):
+        pixels, grids = [], []
+        gh, gw = self.grid_hw
+        for chunk in vision_chunks:
+            frames = self._frames(chunk)
+            pixels += [self._pixels(f) for f in frames]
+            grids.append([len(frames), gh, gw])
+        return {
+            "pixel_values": torch.cat(pixels),
+            "grid_thws": torch.tensor(grids, dtype=torch.int64),
+        }
+'''
+
+
+def write_kimi_k25(
+    outdir: Path, seed: int, dtype: str = "float32", **overrides: Any
+) -> Written:
+    text = deepseek_v3_text_config(torch_dtype=dtype, **overrides)
+    text.pop("architectures")
+    vis: dict[str, Any] = {
+        "model_type": "kimi_k25_vision",
+        "patch_size": 14,
+        "init_pos_emb_height": 8,
+        "init_pos_emb_width": 8,
+        "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed",
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "merge_kernel_size": [2, 2],
+        "video_attn_type": "spatial_temporal",
+        "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmerger",
+        "mm_hidden_size": text["hidden_size"],
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+    }
+    specials = special_token_ids()
+    cfg: dict[str, Any] = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": vis,
+        "media_placeholder_token_id": specials["<|media_pad|>"],
+        "pad_token_id": specials[PAD],
+        "bos_token_id": specials[BOS],
+        "eos_token_id": specials[EOS],
+        "ignore_index": -100,
+        "use_unified_vision_chunk": False,
+        "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "torch_dtype": dtype,
+    }
+    w = WeightWriter(seed, DTYPES[dtype])
+    _write_deepseek_text_weights(w, text, prefix="language_model.")
+    d, mlp, ps = vis["hidden_size"], vis["intermediate_size"], vis["patch_size"]
+    vt = "vision_tower"
+    w.normal(f"{vt}.patch_embed.proj.weight", (d, 3, ps, ps), std=(3 * ps * ps) ** -0.5)
+    w.normal(f"{vt}.patch_embed.proj.bias", (d,), std=0.02)
+    w.normal(
+        f"{vt}.patch_embed.pos_emb.weight",
+        (vis["init_pos_emb_height"], vis["init_pos_emb_width"], d),
+        std=0.02,
+    )
+    for i in range(vis["num_hidden_layers"]):
+        b = f"{vt}.encoder.blocks.{i}"
+        w.norm(f"{b}.norm0", d, bias=True)
+        w.norm(f"{b}.norm1", d, bias=True)
+        w.linear(f"{b}.wqkv", 3 * d, d, bias=True)
+        w.linear(f"{b}.wo", d, d, bias=True)
+        w.linear(f"{b}.mlp.fc0", mlp, d, bias=True)
+        w.linear(f"{b}.mlp.fc1", d, mlp, bias=True)
+    w.norm(f"{vt}.encoder.final_layernorm", d, bias=True)
+    kh, kw = vis["merge_kernel_size"]
+    merged = d * kh * kw
+    w.norm("mm_projector.pre_norm", d, bias=True)
+    w.linear("mm_projector.proj.0", merged, merged, bias=True)
+    w.linear("mm_projector.proj.2", text["hidden_size"], merged, bias=True)
+
+    extra = write_tokenizer(outdir)
+    (outdir / "kimi_k25_media_processor.py").write_text(KIMI_PROCESSOR_CODE)
+    _write_json(
+        outdir / "preprocessor_config.json",
+        {
+            "auto_map": {
+                "AutoImageProcessor": "kimi_k25_media_processor.TinyKimiK25MediaProcessor"
+            },
+            "image_processor_type": "TinyKimiK25MediaProcessor",
+            "patch_size": ps,
+            "merge_kernel_size": [kh, kw],
+            "grid_hw": [4, 4],
+            "num_frames_per_chunk": 4,
+        },
+    )
+    extra += ["kimi_k25_media_processor.py", "preprocessor_config.json"]
+    return _finish("kimi-k25", outdir, w, cfg, extra)
+
+
+def eagle3_drafter_config(
+    target_hidden_size: int = 128,
+    target_vocab_size: int = VOCAB_SIZE,
+    aux_layer_ids: Sequence[int] | None = (1, 3, 6),
+    draft_vocab_size: int = 256,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """EAGLE-3 draft head config in the shape published drafters use.
+
+    ``aux_layer_ids=None`` leaves ``eagle_aux_hidden_state_layer_ids`` out, as
+    older drafters do: the engine then uses the target's default layers.
+    """
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": target_hidden_size,
+        "target_hidden_size": target_hidden_size,
+        "intermediate_size": 2 * target_hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": target_hidden_size // 4,
+        "hidden_act": "silu",
+        "vocab_size": target_vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "norm_before_residual": False,
+        "bos_token_id": special_token_ids()[BOS],
+        "eos_token_id": special_token_ids()[EOS],
+        "eagle_config": {"use_aux_hidden_state": True},
+        "torch_dtype": "float32",
+    }
+    if aux_layer_ids is not None:
+        ids = [int(i) for i in aux_layer_ids]
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    cfg.update(overrides)
+    return cfg
+
+
+def write_eagle3_drafter(
+    outdir: Path,
+    seed: int,
+    dtype: str = "float32",
+    aux_layer_ids: Sequence[int] | None = (1, 3, 6),
+    target_hidden_size: int = 128,
+    target_vocab_size: int = VOCAB_SIZE,
+    **overrides: Any,
+) -> Written:
+    cfg = eagle3_drafter_config(
+        target_hidden_size=target_hidden_size,
+        target_vocab_size=target_vocab_size,
+        aux_layer_ids=aux_layer_ids,
+        torch_dtype=dtype,
+        **overrides,
+    )
+    h = cfg["hidden_size"]
+    heads, kv_heads, hd = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    inter, dv = cfg["intermediate_size"], cfg["draft_vocab_size"]
+    w = WeightWriter(seed, DTYPES[dtype])
+    # Without explicit ids the target's default (3 layers) is used.
+    n_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
+    w.linear("fc", h, n_aux * cfg["target_hidden_size"])
+    m = "midlayer"
+    w.norm(f"{m}.input_layernorm", h)
+    w.norm(f"{m}.hidden_norm", h)
+    w.norm(f"{m}.post_attention_layernorm", h)
+    # The first (only) layer attends over [embeds, hidden]: 2*h inputs.
+    w.linear(f"{m}.self_attn.q_proj", heads * hd, 2 * h)
+    w.linear(f"{m}.self_attn.k_proj", kv_heads * hd, 2 * h)
+    w.linear(f"{m}.self_attn.v_proj", kv_heads * hd, 2 * h)
+    w.linear(f"{m}.self_attn.o_proj", h, heads * hd)
+    w.linear(f"{m}.mlp.gate_proj", inter, h)
+    w.linear(f"{m}.mlp.up_proj", inter, h)
+    w.linear(f"{m}.mlp.down_proj", h, inter)
+    w.norm("norm", h)
+    w.linear("lm_head", dv, h)
+    # Draft vocabulary: a seeded, sorted subset of the target's ids.
+    keep = torch.randperm(cfg["vocab_size"], generator=w.gen)[:dv].sort().values
+    w.raw("d2t", (keep - torch.arange(dv)).to(torch.int64))
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[keep] = True
+    w.raw("t2d", t2d)
+    return _finish("eagle3-drafter", outdir, w, cfg, write_tokenizer(outdir))
+
+
+WRITERS: dict[str, Callable[..., Written]] = {
+    "deepseek-v3": write_deepseek_v3,
+    "kimi-k25": write_kimi_k25,
+    "glm5": write_glm5,
+    "eagle3-drafter": write_eagle3_drafter,
+}
+
+
+def write_checkpoint(
+    kind: str, outdir: str | os.PathLike[str], seed: int = 0, **kwargs: Any
+) -> Written:
+    """Write checkpoint ``kind`` into ``outdir`` (created); see module doc."""
+    if kind not in WRITERS:
+        raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    return WRITERS[kind](out, seed, **kwargs)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+_UNSET: Any = object()
+
+
+def _int_list(text: str) -> list[int] | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints: {text}") from e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tiny_checkpoints.py",
+        description=(
+            "Write a tiny seeded random checkpoint (config.json, "
+            "model.safetensors, offline tokenizer) for an EAGLE-3 target "
+            "family or a tiny EAGLE-3 drafter."
+        ),
+    )
+    p.add_argument("kind", choices=KINDS, help="which checkpoint to write")
+    p.add_argument("outdir", type=Path, help="directory to write (created)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="weight dtype and config torch_dtype (default float32)",
+    )
+    p.add_argument(
+        "--num-hidden-layers",
+        type=int,
+        default=None,
+        help="text decoder layers (targets; default 6, must be >= 6)",
+    )
+    p.add_argument(
+        "--aux-layer-ids",
+        type=_int_list,
+        default=_UNSET,
+        help=(
+            "eagle3-drafter: eagle_aux_hidden_state_layer_ids, e.g. 1,3,6 "
+            "(default 1,3,6; 'none' leaves the field out)"
+        ),
+    )
+    p.add_argument(
+        "--remote-code-config",
+        action="store_true",
+        help="glm5: also write a config class + auto_map for transformers < 5",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    kwargs: dict[str, Any] = {"dtype": args.dtype}
+    if args.num_hidden_layers is not None:
+        if args.kind == "eagle3-drafter":
+            raise SystemExit("--num-hidden-layers applies to target kinds only")
+        if args.num_hidden_layers < 6:
+            raise SystemExit("--num-hidden-layers must be >= 6 (distinct aux ids)")
+        kwargs["num_hidden_layers"] = args.num_hidden_layers
+    if args.aux_layer_ids is not _UNSET:
+        if args.kind != "eagle3-drafter":
+            raise SystemExit("--aux-layer-ids applies to eagle3-drafter only")
+        kwargs["aux_layer_ids"] = args.aux_layer_ids
+    if args.remote_code_config:
+        if args.kind != "glm5":
+            raise SystemExit("--remote-code-config applies to glm5 only")
+        kwargs["remote_code_config"] = True
+    written = write_checkpoint(args.kind, args.outdir, seed=args.seed, **kwargs)
+    print(written.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
