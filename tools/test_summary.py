@@ -31,6 +31,9 @@ def main() -> int:
         entries = json.loads(r.read_text()).values() if r.exists() else []
         # No report, or an empty one: the run broke before any test ran.
         counts = Counter(str(e.get("outcome")) for e in entries) or Counter({"failed": 1})
+        # Collected but never run (a collection error stopped the session):
+        # that is a failure of the run, not a pass.
+        counts["failed"] += counts.pop("not-run", 0)
         print(f"[{TOOL}] {r.stem}: {counts['passed']} passed, {counts['failed']} failed, "
               f"{counts['skipped']} skipped")
         total += counts
@@ -39,7 +42,7 @@ def main() -> int:
         print(f"[{TOOL}] stock (expected to fail): {c['failed']} failed as required, "
               f"{c['passed']} regression passed")
     print(f"summary: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
-    return 0 if total["passed"] and not total["failed"] and not total["not-run"] else 1
+    return 0 if total["passed"] and not total["failed"] else 1
 
 
 if __name__ == "__main__":
