@@ -3,7 +3,10 @@
 
 Loaded by ``conftest.py`` under the fixed module name ``HARNESS_MODULE`` so
 that vLLM can resolve ``worker_cls`` to the worker class defined here (the
-engine runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+engine runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Engines
+with world size > 1 (test_eagle3_cpu_parallel.py) keep the engine core here
+but start one worker process per rank, which import this file by the same
+name from ``worker_import_dir`` (see the last section).
 
 Why a worker subclass, and what it does
 ---------------------------------------
@@ -73,7 +76,9 @@ import gc
 import importlib.util
 import inspect
 import json
+import os
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +89,14 @@ import torch
 
 HARNESS_MODULE = "eagle3_e2e_cpu_harness"
 DRAFT_KEY = "eagle3_e2e_cpu_draft_model"
+# Optional additional_config keys, used by the parallel tests only (absent:
+# behaviour unchanged). ERROR_DIR_KEY: each worker whose EAGLE-3 set-up raises
+# writes the exception to <dir>/rank<N>.json before re-raising, because with
+# worker processes LLM(...) only reports "WorkerProc initialization failed".
+# DRAFT_PP_KEY: load the draft config as if pipeline_parallel_size were this
+# value (see enable_aux_like_gpu_runner).
+ERROR_DIR_KEY = "eagle3_e2e_cpu_error_dir"
+DRAFT_PP_KEY = "eagle3_e2e_cpu_draft_config_pp"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 ENGINE_ENV: dict[str, str] = {
@@ -149,19 +162,36 @@ class AuxSetup:
     draft_architectures: list[str]
 
 
-def enable_aux_like_gpu_runner(runner: Any, draft_model: str) -> AuxSetup:
-    """GPUModelRunner's load-time EAGLE-3 block, on a (CPU) model runner."""
+def enable_aux_like_gpu_runner(
+    runner: Any, draft_model: str, draft_config_pp: int | None = None
+) -> AuxSetup:
+    """GPUModelRunner's load-time EAGLE-3 block, on a (CPU) model runner.
+
+    ``draft_config_pp`` (default None: the runner's own parallel config, as on
+    a GPU) loads the draft config against a copy of the parallel config with
+    that pipeline_parallel_size. vLLM v0.16.0 checks the *drafter* for
+    SupportsPP while building SpeculativeConfig, and no EAGLE-3 drafter it
+    ships passes, so with PP > 1 that generic check fires first; 1 here steps
+    past it (only it) to reach the model's own set_aux_hidden_state_layers on
+    the real PP > 1 process groups. Only test_eagle3_cpu_parallel.py uses it.
+    """
+    import copy
+
     from vllm.config import SpeculativeConfig
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     check_gpu_runner_block_unchanged()
+    target_parallel_config = runner.parallel_config
+    if draft_config_pp is not None:
+        target_parallel_config = copy.copy(runner.parallel_config)
+        target_parallel_config.pipeline_parallel_size = draft_config_pp
     # vLLM's own draft-config loading (EAGLEConfig, allow-list check, ...).
     spec_config = SpeculativeConfig(
         method="eagle3",
         model=draft_model,
         num_speculative_tokens=3,
         target_model_config=runner.model_config,
-        target_parallel_config=runner.parallel_config,
+        target_parallel_config=target_parallel_config,
     )
     hf_config = spec_config.draft_model_config.hf_config
     eagle_config = getattr(hf_config, "eagle_config", None) or {}
@@ -219,6 +249,30 @@ def install_aux_recorder(runner: Any, log: list[dict[str, Any]]) -> None:
     runner.execute_model = execute_model
 
 
+def _write_worker_error(error_dir: Path, rank: int, exc: BaseException) -> None:
+    error_dir.mkdir(parents=True, exist_ok=True)
+    frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
+    (error_dir / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "frames": frames,
+            }
+        )
+    )
+
+
+def read_worker_errors(error_dir: Path) -> dict[int, dict[str, Any]]:
+    """What _write_worker_error left, by global rank."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in sorted(Path(error_dir).glob("rank*.json")):
+        entry = json.loads(path.read_text())
+        out[int(entry["rank"])] = entry
+    return out
+
+
 def _make_worker_class() -> type:
     from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -233,9 +287,15 @@ def _make_worker_class() -> type:
             extra = self.vllm_config.additional_config or {}
             draft = extra.get(DRAFT_KEY) if isinstance(extra, dict) else None
             if draft:
-                self.eagle3_e2e_setup = enable_aux_like_gpu_runner(
-                    self.model_runner, draft
-                )
+                error_dir = extra.get(ERROR_DIR_KEY)
+                try:
+                    self.eagle3_e2e_setup = enable_aux_like_gpu_runner(
+                        self.model_runner, draft, extra.get(DRAFT_PP_KEY)
+                    )
+                except Exception as exc:
+                    if error_dir:
+                        _write_worker_error(Path(error_dir), self.rank, exc)
+                    raise
             install_aux_recorder(self.model_runner, self.eagle3_e2e_log)
 
         def eagle3_e2e_report(self) -> dict[str, Any]:
@@ -251,6 +311,27 @@ def _make_worker_class() -> type:
                     for name, mod in self.model_runner.get_model().named_children()
                 },
                 "steps": log,
+            }
+
+        def eagle3_e2e_parallel_info(self) -> dict[str, Any]:
+            """This worker's place in the parallel layout, and whether any
+            MoE block of its model chunks tokens (sequence-parallel MoE)."""
+            from vllm.distributed import get_pp_group, get_tp_group
+
+            model = self.model_runner.get_model()
+            moe = [
+                bool(mod.is_sequence_parallel)
+                for mod in model.modules()
+                if type(mod).__name__ == "DeepseekV2MoE"
+            ]
+            return {
+                "rank": self.rank,
+                "tp_rank": get_tp_group().rank_in_group,
+                "tp_size": get_tp_group().world_size,
+                "pp_rank": get_pp_group().rank_in_group,
+                "pp_size": get_pp_group().world_size,
+                "pid": os.getpid(),
+                "moe_sequence_parallel": moe,
             }
 
     Eagle3AuxCPUWorker.__module__ = HARNESS_MODULE
@@ -546,4 +627,85 @@ def compare_aux_with_hf(
         "margin": min_gap / atol,
         "tokens_checked": checked,
         "token_mismatches": mismatches,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Engines with worker processes (tensor / pipeline parallel > 1)
+# ---------------------------------------------------------------------------
+#
+# With world size > 1 the engine core (still in-process) drives one worker
+# process per rank through vLLM's MultiprocExecutor; the CPU platform forces
+# the "mp" backend and the "spawn" start method, so each worker is a fresh
+# interpreter that must resolve worker_cls by name. spawn hands the parent's
+# sys.path to the child, so a directory holding this file under
+# HARNESS_MODULE's name, put on sys.path for the duration, is enough.
+
+
+def worker_import_dir(tmp_dir: Path) -> Path:
+    """A directory in which this module is importable as HARNESS_MODULE (a
+    symlink to this file); put it on sys.path while worker processes start."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    link = tmp_dir / f"{HARNESS_MODULE}.py"
+    if not link.exists():
+        link.symlink_to(Path(__file__).resolve())
+    return tmp_dir
+
+
+def parallel_engine_env(world_size: int = 2) -> dict[str, str]:
+    """Extra environment for CPU engines with ``world_size`` worker processes.
+
+    * ``VLLM_CPU_OMP_THREADS_BIND``: the default ("auto") binds rank N to the
+      N-th NUMA node and asserts there are ``world_size`` of them; a one-node
+      machine has one, so each rank gets one allowed CPU of its own instead
+      (or no binding if there are fewer CPUs than ranks).
+    * ``TORCHDYNAMO_DISABLE=1``: with TP > 1, VocabParallelEmbedding masks
+      token ids with ``get_masked_input_and_mask``, a ``torch.compile``
+      (inductor) function; on CPU its first call builds C++ probes and a
+      kernel with the system compiler, 10-30 s per engine on 2 cores. The
+      function is pure integer arithmetic and runs eagerly with the same
+      result; nothing else in these engines (``enforce_eager=True``) compiles.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {"TORCHDYNAMO_DISABLE": "1"}
+    if len(cpus) >= world_size:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cpus[:world_size])
+    else:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_prompts_all_ranks(
+    model: str | Path,
+    draft: str | Path | None,
+    prompts: Sequence[str],
+    *,
+    max_tokens: int,
+    step_budget: int,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """run_prompts for an engine with several workers: ``reports`` and
+    ``parallel_info`` hold one entry per worker, in rank order."""
+    import time
+
+    from vllm import SamplingParams
+
+    kwargs = engine_kwargs(
+        model, draft=draft, max_num_batched_tokens=step_budget, **overrides
+    )
+    start = time.monotonic()
+    with running_engine(**kwargs) as llm:
+        started = time.monotonic() - start
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(list(prompts), params, use_tqdm=False)
+        reports = llm.collective_rpc("eagle3_e2e_report")
+        info = llm.collective_rpc("eagle3_e2e_parallel_info")
+    return {
+        "prompt_ids": [list(o.prompt_token_ids) for o in outs],
+        "output_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "reports": list(reports),
+        "parallel_info": list(info),
+        "start_s": started,
+        "total_s": time.monotonic() - start,
     }
