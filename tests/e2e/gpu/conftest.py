@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU end-to-end suite: skip cleanly without a CUDA GPU, build tiny checkpoints.
+
+Tests marked ``gpu`` need a CUDA GPU and a vLLM whose CUDA ops load: either the
+real built wheel (``pip install dist/vllm-0.16.0+eagle3...whl``) or, on the
+lent H200, the harness (tools/gpu_harness/device_run.sh). Without a GPU they
+are skipped with the reason, so ``pytest tests/e2e/gpu`` in CI only runs the
+CPU op tests (test_harness_ops.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cuda_reason() -> str | None:
+    # Ask NVML, not the CUDA driver: initialising CUDA in this process before
+    # vLLM forks its engine core leaves the child's CUDA unusable.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    try:
+        import torch
+    except Exception as e:  # pragma: no cover
+        return f"torch is not importable: {e}"
+    if not torch.cuda.is_available():
+        return (
+            "needs a CUDA GPU (torch.cuda.is_available() is False). Run the GPU "
+            "suite on a GPU machine with the built wheel installed "
+            "(pytest -m gpu tests/e2e/gpu) or on the lent device through "
+            "tools/gpu_harness/device_run.sh; see docs/gpu.md"
+        )
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _cuda_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def results_dir(tmp_path_factory) -> Path:
+    """Where the GPU tests write their numbers (JSON); the harness points it
+    at the device call's $OUT via EAGLE3_GPU_RESULTS_DIR."""
+    d = os.environ.get("EAGLE3_GPU_RESULTS_DIR")
+    path = Path(d) if d else tmp_path_factory.mktemp("gpu-results")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_helpers():
+    """gpu_e2e_helpers.py beside this file, by name if importable (pytest's
+    prepend import mode), else from its path (--import-mode=importlib)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    name = "gpu_e2e_helpers"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory):
+    """Tiny seeded random checkpoints (tools/tiny_checkpoints.py)."""
+    return load_helpers().make_checkpoints(tmp_path_factory.mktemp("tiny-ckpts"))

@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared pieces of the GPU e2e tests and the harness benchmark.
+
+The engine settings are the same on the lent device (harness) and on a GPU box
+with the real wheel, so the tests run unchanged on both:
+
+* float32 weights and activations, IEEE float32 Triton dots
+  (TRITON_F32_DEFAULT=ieee): spec decoding and plain decoding run the target
+  on different token counts per step, and in bf16 (or TF32) that alone can
+  flip a near-tied greedy pick or expert choice; in float32 the greedy output
+  of prompts whose decisions are not near-tied is a property of the model, so
+  "EAGLE-3 output == plain output" can be asserted token for token
+  (tools/gpu_harness/fp64_reference.py measures the margins);
+* ``enforce_eager=True`` and ``compilation_config={"custom_ops": ["none"]}``:
+  every vLLM CustomOp takes its native torch path;
+* ``attention_backend="TRITON_ATTN"`` with ``VLLM_MLA_DISABLE=1``: the
+  DeepSeek-family targets use their non-MLA attention (the harness has no MLA
+  kernels; ``EAGLE3_GPU_MLA=1`` keeps MLA on, for a box with the real wheel).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+NUM_SPEC_TOKENS = 3
+GPU_MEMORY_UTILIZATION = float(os.environ.get("EAGLE3_GPU_MEM_UTIL", "0.12"))
+
+
+def _tiny():
+    path = REPO_ROOT / "tools" / "tiny_checkpoints.py"
+    spec = importlib.util.spec_from_file_location("tiny_checkpoints", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("tiny_checkpoints", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# The drafter's attention must give the same KV-cache page as the target's
+# non-MLA attention (4 KV heads x 64), so both share one KV-cache group.
+DRAFTER_SHAPE = {"num_key_value_heads": 4, "head_dim": 64}
+
+
+@dataclass
+class Checkpoints:
+    root: Path
+    deepseek_v3: Path
+    kimi_k25: Path
+    drafter: Path  # EAGLE-3 drafter (draft vocab 256 via d2t), aux ids (1, 3, 6)
+    drafter_full_vocab: Path  # same shape, draft vocab = target vocab
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def make_checkpoints(root: Path) -> Checkpoints:
+    tiny = _tiny()
+    root = Path(root)
+    ck = Checkpoints(
+        root=root,
+        deepseek_v3=root / "deepseek_v3",
+        kimi_k25=root / "kimi_k25",
+        drafter=root / "eagle3_drafter",
+        drafter_full_vocab=root / "eagle3_drafter_full_vocab",
+    )
+    tiny.write_checkpoint("deepseek-v3", ck.deepseek_v3, seed=0)
+    tiny.write_checkpoint("kimi-k25", ck.kimi_k25, seed=1)
+    tiny.write_checkpoint("eagle3-drafter", ck.drafter, seed=2, **DRAFTER_SHAPE)
+    tiny.write_checkpoint(
+        "eagle3-drafter", ck.drafter_full_vocab, seed=2,
+        draft_vocab_size=tiny.VOCAB_SIZE, **DRAFTER_SHAPE,
+    )
+    for name in ("deepseek_v3", "kimi_k25", "drafter"):
+        cfg = json.loads((getattr(ck, name) / "config.json").read_text())
+        ck.info[name] = cfg
+    return ck
+
+
+def configure_env() -> None:
+    """Process-wide settings; engine-core processes inherit them."""
+    if os.environ.get("EAGLE3_GPU_MLA") != "1":
+        os.environ["VLLM_MLA_DISABLE"] = "1"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # float32 Triton dots (MoE, attention) in IEEE fp32 instead of TF32, so
+    # the plain and the speculative run (different token counts per step)
+    # differ only by float32 summation order.
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    # Engine-core processes start fresh (no fork after CUDA use in the parent).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # Never let NCCL/torch use NVLink multicast (shared hosts).
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+
+def engine_kwargs(
+    model: Path | str,
+    drafter: Path | str | None = None,
+    num_spec_tokens: int = NUM_SPEC_TOKENS,
+    **extra: Any,
+) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        model=str(model),
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=16,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        compilation_config={"custom_ops": ["none"]},
+        disable_log_stats=False,
+    )
+    if os.environ.get("EAGLE3_GPU_MLA") != "1":
+        kw["attention_backend"] = "TRITON_ATTN"
+    if drafter is not None:
+        kw["speculative_config"] = {
+            "method": "eagle3",
+            "model": str(drafter),
+            "num_speculative_tokens": num_spec_tokens,
+        }
+    kw.update(extra)
+    return kw
+
+
+def token_prompts(lengths, seed: int = 0, low: int = 0, high: int = 256) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(low, high) for _ in range(n)]}
+        for n in lengths
+    ]
+
+
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+
+
+def spec_counters(llm) -> dict[str, Any]:
+    out: dict[str, Any] = {v: 0 for v in SPEC_METRICS.values()}
+    out["accepted_per_position"] = None
+    for m in llm.get_metrics():
+        key = SPEC_METRICS.get(m.name)
+        if key is not None:
+            out[key] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = list(m.values)
+            prev = out["accepted_per_position"] or [0] * len(vals)
+            out["accepted_per_position"] = [a + b for a, b in zip(prev, vals)]
+    return out
+
+
+def counters_delta(before: dict, after: dict) -> dict[str, Any]:
+    d = {k: after[k] - before[k] for k in SPEC_METRICS.values()}
+    a, b = after["accepted_per_position"], before["accepted_per_position"]
+    if a is not None:
+        b = b or [0] * len(a)
+        d["accepted_per_position"] = [x - y for x, y in zip(a, b)]
+    else:
+        d["accepted_per_position"] = None
+    drafts = d["num_drafts"]
+    d["mean_acceptance_length"] = (1 + d["num_accepted_tokens"] / drafts) if drafts else None
+    d["draft_acceptance_rate"] = (
+        d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
+    )
+    return d
+
+
+def generate_tokens(llm, prompts, max_tokens: int, ignore_eos: bool = True):
+    """Greedy generation; returns (token id lists, spec-decode counter delta)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    before = spec_counters(llm)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    after = spec_counters(llm)
+    return [list(o.outputs[0].token_ids) for o in outs], counters_delta(before, after)
+
+
+def shutdown(llm) -> None:
+    """Stop the engine core process and free its GPU memory."""
+    engine = getattr(llm, "llm_engine", None)
+    for obj, name in ((engine, "shutdown"), (getattr(engine, "engine_core", None), "shutdown")):
+        fn = getattr(obj, name, None) if obj is not None else None
+        if fn is not None:
+            try:
+                fn()
+            except Exception:
+                pass
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:
+        pass
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def harness_in_use() -> bool:
+    """True when vllm._C is the GPU harness stand-in (tools/gpu_harness)."""
+    try:
+        import vllm._C as c
+    except Exception:
+        return False
+    return hasattr(c, "HARNESS_OPS")

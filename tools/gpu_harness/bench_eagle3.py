@@ -1,0 +1,382 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""EAGLE-3 on a tiny DeepSeek-V3 target: train a drafter briefly, then measure.
+
+    python tools/gpu_harness/bench_eagle3.py all --out DIR
+
+1. Plain greedy serving of the target (vLLM, float32): decode tokens/s at
+   batch 1 and 8, and greedy continuations of random prompts as training data.
+2. EAGLE-3 serving with a random drafter (k=3): acceptance and tokens/s.
+3. Capture the target's aux hidden states through the patched forward: an
+   in-process engine serves the training sequences as prompts with a drafter
+   attached; the EAGLE proposer's ``propose`` receives the concatenated aux
+   states of every prefill token (what a drafter trains on) and is wrapped to
+   record them. Layer ids come from the drafter config
+   (``eagle_aux_hidden_state_layer_ids``).
+4. Train the drafter (same architecture as vLLM's LlamaForCausalLMEagle3:
+   fc over 3 aux states, one Llama layer over [embeds, hidden], norm, lm_head;
+   embeddings shared with the target) for k=3 steps with training-time test
+   unrolling (step j>1 feeds back the drafter's own pre-norm hidden state and
+   attends to first-pass keys of earlier positions plus its own chain).
+5. EAGLE-3 serving with the trained drafter: acceptance and tokens/s.
+
+Every EAGLE-3 run is also checked against plain greedy output (token for
+token). Results: DIR/bench_eagle3.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
+
+import gpu_e2e_helpers as h  # noqa: E402
+
+K = 3
+GEN_TOKENS = 128
+N_TRAIN = 256
+BENCH_BATCHES = (1, 8)
+
+
+def _prompts(n, seed, lo=8, hi=24):
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))]}
+        for _ in range(n)
+    ]
+
+
+def _llm(model, drafter=None, **extra):
+    from vllm import LLM
+
+    return LLM(**h.engine_kwargs(model, drafter, num_spec_tokens=K, max_num_seqs=64, **extra))
+
+
+def _timed(llm, prompts, batch):
+    """Greedy-generate GEN_TOKENS per prompt, `batch` prompts per generate()."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
+    before = h.spec_counters(llm)
+    outs, tokens, elapsed = [], 0, 0.0
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        t0 = time.perf_counter()
+        res = llm.generate(chunk, sp, use_tqdm=False)
+        elapsed += time.perf_counter() - t0
+        for r in res:
+            outs.append(list(r.outputs[0].token_ids))
+            tokens += len(r.outputs[0].token_ids)
+    delta = h.counters_delta(before, h.spec_counters(llm))
+    return outs, {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, **delta}
+
+
+def bench_engine(model, drafter, eval_prompts, train_prompts=None):
+    llm = _llm(model, drafter)
+    try:
+        _timed(llm, eval_prompts[:2], 2)  # warm-up: Triton JIT, allocator
+        res, outs = {}, {}
+        for b in BENCH_BATCHES:
+            outs[b], res[f"batch{b}"] = _timed(llm, eval_prompts[: max(4, b)], b)
+        train = None
+        if train_prompts is not None:
+            train, _ = _timed(llm, train_prompts, 64)
+        return res, outs, train
+    finally:
+        h.shutdown(llm)
+
+
+# ---------------------------------------------------------------------------
+# capture (runs in its own process: in-process engine)
+# ---------------------------------------------------------------------------
+
+
+def capture(target, drafter, seqs_path, out_path):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    h.configure_env()
+    import torch
+    from vllm import SamplingParams
+
+    seqs = json.loads(Path(seqs_path).read_text())
+    index = {tuple(s): i for i, s in enumerate(seqs)}
+    llm = _llm(target, drafter, max_num_batched_tokens=16384)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    proposer = runner.drafter
+    orig = proposer.propose
+    sig = inspect.signature(orig)
+    aux = [None] * len(seqs)
+
+    def recording_propose(*args, **kwargs):
+        ba = sig.bind(*args, **kwargs)
+        tok = ba.arguments["target_token_ids"].cpu()
+        hid = ba.arguments["target_hidden_states"]
+        cam = ba.arguments["common_attn_metadata"]
+        qsl = cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()
+        for r in range(cam.num_reqs):
+            key = tuple(tok[qsl[r]:qsl[r + 1]].tolist())
+            i = index.get(key)
+            if i is not None and aux[i] is None:
+                aux[i] = hid[qsl[r]:qsl[r + 1]].float().cpu().clone()
+        return orig(*args, **kwargs)
+
+    proposer.propose = recording_propose
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i in range(0, len(seqs), 32):
+        llm.generate([{"prompt_token_ids": s} for s in seqs[i:i + 32]], sp, use_tqdm=False)
+    missing = [i for i, a in enumerate(aux) if a is None]
+    layer_ids = list(proposer.model.config.eagle_aux_hidden_state_layer_ids)
+    torch.save({"aux": aux, "missing": missing, "layer_ids": layer_ids}, out_path)
+    print(f"captured aux states for {len(seqs) - len(missing)}/{len(seqs)} sequences, "
+          f"width {aux[0].shape[-1] if aux[0] is not None else None}, layer ids {layer_ids}")
+
+
+# ---------------------------------------------------------------------------
+# drafter training (pure torch, same math as vLLM's LlamaForCausalLMEagle3)
+# ---------------------------------------------------------------------------
+
+
+def _rms(x, w, eps):
+    xf = x.float()
+    return (xf * (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()).to(x.dtype) * w
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    import torch
+
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    f = pos.float()[..., None] * inv  # [B, L, d/2]
+    cos, sin = f.cos()[:, None], f.sin()[:, None]  # [B, 1, L, d/2]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Drafter:
+    def __init__(self, cfg, weights, embed, device):
+        import torch
+
+        self.cfg = cfg
+        self.p = {k: v.to(device).float().clone().requires_grad_(v.is_floating_point())
+                  for k, v in weights.items() if k not in ("d2t", "t2d")}
+        self.embed = embed.to(device).float()
+        self.eps = cfg["rms_norm_eps"]
+        self.nh, self.nkv, self.hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.theta = cfg.get("rope_theta", 10000.0)
+        self.torch = torch
+
+    def params(self):
+        return [v for v in self.p.values() if v.requires_grad]
+
+    def layer(self, tok, hidden, pos, first_kv, chain_kv):
+        """One drafter step over all slots. hidden: fc output (step 1) or the
+        previous step's pre-norm output. first_kv: None for step 1 (causal
+        over slots), else the step-1 (k, v); chain_kv: this slot's own (k, v)
+        of steps 2..j-1. Returns (prenorm, logits, k, v)."""
+        torch, p = self.torch, self.p
+        B, L, H = hidden.shape
+        e = _rms(self.embed[tok], p["midlayer.input_layernorm.weight"], self.eps)
+        resid = hidden
+        hn = _rms(hidden, p["midlayer.hidden_norm.weight"], self.eps)
+        x = torch.cat([e, hn], dim=-1)
+        q = (x @ p["midlayer.self_attn.q_proj.weight"].T).view(B, L, self.nh, self.hd).transpose(1, 2)
+        k = (x @ p["midlayer.self_attn.k_proj.weight"].T).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        v = (x @ p["midlayer.self_attn.v_proj.weight"].T).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
+        rep = self.nh // self.nkv
+        kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scale = self.hd ** -0.5
+        if first_kv is None:
+            att = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+        else:
+            k1, v1 = first_kv
+            s1 = (q @ k1.transpose(-1, -2)) * scale
+            causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+            s1 = s1.masked_fill(~causal, float("-inf"))
+            diag = [(q * kc).sum(-1, keepdim=True) * scale for kc, _ in chain_kv]
+            diag.append((q * kk).sum(-1, keepdim=True) * scale)
+            pr = torch.softmax(torch.cat([s1, *diag], dim=-1), dim=-1)
+            att = pr[..., :L] @ v1
+            for m, (_, vc) in enumerate([*chain_kv, (None, vv)]):
+                att = att + pr[..., L + m:L + m + 1] * vc
+        att = att.transpose(1, 2).reshape(B, L, self.nh * self.hd) @ p["midlayer.self_attn.o_proj.weight"].T
+        s = att + resid
+        h2 = _rms(s, p["midlayer.post_attention_layernorm.weight"], self.eps)
+        mlp = (torch.nn.functional.silu(h2 @ p["midlayer.mlp.gate_proj.weight"].T)
+               * (h2 @ p["midlayer.mlp.up_proj.weight"].T)) @ p["midlayer.mlp.down_proj.weight"].T
+        pre = mlp + s
+        logits = _rms(pre, p["norm.weight"], self.eps) @ p["lm_head.weight"].T
+        return pre, logits, kk, vv
+
+    def unrolled_loss(self, toks, aux, mask):
+        """toks [B, L] target tokens, aux [B, L, 3H], mask [B, L] (1 where the
+        token is the target's own greedy output). Slot i, step j (1-based):
+        input token toks[i+j], label toks[i+j+1], position i+j-1."""
+        torch = self.torch
+        B, L = toks.shape
+        hidden = aux @ self.p["fc.weight"].T
+        pos0 = torch.arange(L, device=toks.device)[None].expand(B, L)
+        losses, accs, first, chain = [], [], None, []
+        for j in range(1, K + 1):
+            n = L - j - 1  # slots with a label
+            tok_in = toks[:, j:j + n]
+            lab = toks[:, j + 1:j + 1 + n]
+            m = mask[:, j + 1:j + 1 + n]
+            pad = L - n
+            tok_full = torch.nn.functional.pad(tok_in, (0, pad))
+            pre, logits, kk, vv = self.layer(tok_full, hidden, pos0 + (j - 1), first, chain)
+            lg = logits[:, :n]
+            ce = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), reduction="none")
+            w = m.reshape(-1).float()
+            losses.append((ce * w).sum() / w.sum().clamp(min=1))
+            accs.append(((lg.argmax(-1) == lab).float() * m).sum().item() / max(1.0, m.sum().item()))
+            if j == 1:
+                first = (kk, vv)
+            else:
+                chain.append((kk, vv))
+            hidden = pre
+        return losses, accs
+
+
+def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, device="cuda"):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    data = torch.load(aux_path)
+    keep = [i for i, a in enumerate(data["aux"]) if a is not None]
+    L = min(len(seqs[i]) for i in keep)
+    toks = torch.tensor([seqs[i][:L] for i in keep], device=device)
+    aux = torch.stack([data["aux"][i][:L] for i in keep]).to(device)
+    mask = torch.zeros_like(toks)
+    for r, i in enumerate(keep):
+        mask[r, prompt_lens[i]:] = 1
+    n_val = max(8, len(keep) // 8)
+    cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
+    weights = load_file(str(Path(drafter_dir) / "model.safetensors"))
+    embed = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    d = Drafter(cfg, weights, embed, device)
+    opt = torch.optim.AdamW(d.params(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    tr = slice(n_val, None)
+    log = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        idx = torch.randint(n_val, len(keep), (64,), device=device)
+        losses, _ = d.unrolled_loss(toks[idx], aux[idx], mask[idx])
+        loss = sum(lw * l for lw, l in zip((1.0, 0.8, 0.6), losses))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(d.params(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            with torch.no_grad():
+                vl, va = d.unrolled_loss(toks[:n_val], aux[:n_val], mask[:n_val])
+            log.append({"step": step, "train_loss": loss.item(), "val_loss": [float(x) for x in vl],
+                        "val_acc": va})
+            print(json.dumps(log[-1]))
+    train_seconds = time.perf_counter() - t0
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(drafter_dir).iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    new = {k: v.detach().to(weights[k].dtype).cpu().contiguous() for k, v in d.p.items()}
+    new["d2t"], new["t2d"] = weights["d2t"], weights["t2d"]
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return {"steps": steps, "train_seconds": train_seconds, "sequences": len(keep),
+            "seq_len": L, "val_sequences": n_val, "log": log}
+
+
+# ---------------------------------------------------------------------------
+
+
+def run_all(out_dir: Path, work: Path, steps: int):
+    h.configure_env()
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = h._tiny()
+    target = work / "deepseek_v3"
+    rnd = work / "drafter_random"
+    trained = work / "drafter_trained"
+    tiny.write_checkpoint("deepseek-v3", target, seed=0)
+    tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, draft_vocab_size=tiny.VOCAB_SIZE, **h.DRAFTER_SHAPE)
+
+    eval_prompts = _prompts(8, seed=1000)
+    train_prompts = _prompts(N_TRAIN, seed=1)
+    results = {"k": K, "gen_tokens": GEN_TOKENS, "target": tiny.deepseek_v3_text_config(),
+               "dtype": "float32"}
+
+    results["plain"], plain_outs, train_outs = bench_engine(target, None, eval_prompts, train_prompts)
+    seqs = [p["prompt_token_ids"] + o for p, o in zip(train_prompts, train_outs)]
+    prompt_lens = [len(p["prompt_token_ids"]) for p in train_prompts]
+    (work / "seqs.json").write_text(json.dumps(seqs))
+    print("RESULT plain", json.dumps(results["plain"]), flush=True)
+
+    results["eagle3_random"], rnd_outs, _ = bench_engine(target, rnd, eval_prompts)
+    results["eagle3_random"]["equal_to_plain"] = rnd_outs == plain_outs
+    print("RESULT eagle3_random", json.dumps(results["eagle3_random"]), flush=True)
+
+    r = subprocess.run(
+        [sys.executable, __file__, "capture", "--target", str(target), "--drafter", str(rnd),
+         "--seqs", str(work / "seqs.json"), "--out", str(work / "aux.pt")],
+        capture_output=True, text=True,
+    )
+    (work / "capture.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise SystemExit(f"capture failed ({work / 'capture.log'}):\n{(r.stdout + r.stderr)[-6000:]}")
+    print(r.stdout.strip().splitlines()[-1], flush=True)
+
+    results["training"] = train(target, rnd, seqs, prompt_lens, work / "aux.pt", trained, steps)
+    print("RESULT training", json.dumps({k: v for k, v in results["training"].items() if k != "log"}), flush=True)
+
+    results["eagle3_trained"], tr_outs, _ = bench_engine(target, trained, eval_prompts)
+    results["eagle3_trained"]["equal_to_plain"] = tr_outs == plain_outs
+
+    (out_dir / "bench_eagle3.json").write_text(json.dumps(results, indent=1))
+    rows = []
+    for name in ("plain", "eagle3_random", "eagle3_trained"):
+        for b in BENCH_BATCHES:
+            m = results[name][f"batch{b}"]
+            mal = m.get("mean_acceptance_length")
+            rows.append(f"{name:15s} batch {b}: {m['tokens_per_s']:8.1f} tok/s"
+                        + (f"  mean acceptance length {mal:.2f}"
+                           f"  (accepted {m['num_accepted_tokens']}/{m['num_draft_tokens']} drafted,"
+                           f" per position {m['accepted_per_position']})" if mal else ""))
+    print("\n".join(rows))
+    print("equal to plain greedy: random", results["eagle3_random"]["equal_to_plain"],
+          "trained", results["eagle3_trained"]["equal_to_plain"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("all")
+    a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_work"))
+    a.add_argument("--steps", type=int, default=1000)
+    c = sub.add_parser("capture")
+    for n in ("--target", "--drafter", "--seqs", "--out"):
+        c.add_argument(n, required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "all":
+        args.out.mkdir(parents=True, exist_ok=True)
+        run_all(args.out, args.work, args.steps)
+    else:
+        capture(args.target, args.drafter, args.seqs, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Install the GPU harness on the lent device (run from the repository root):
+#   bash tools/gpu_harness/device_setup.sh [SITE]      (default SITE=/tmp/site)
+# Needs the carried paths .device/whl and .device/vllm (tools/gpu_harness/prepare.py).
+# Afterwards PYTHONPATH=SITE gives: the carried wheels, vLLM 0.16.0's (patched)
+# Python files, vllm/_C.py (stand-in) + vllm/_gpu_harness_ops.py (torch ops)
+# and the xgrammar import placeholder. Nothing is installed into the image.
+set -euo pipefail
+SITE=${1:-/tmp/site}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .device/whl/*.whl
+tar -xJf .device/vllm/vllm-py.tar.xz -C "$SITE"
+cp tools/gpu_harness/torch_ops.py "$SITE/vllm/_gpu_harness_ops.py"
+cp tools/gpu_harness/standin_C.py "$SITE/vllm/_C.py"
+rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"
+PYTHONPATH="$SITE" python3 - <<'PY'
+import torch, transformers, triton, vllm, vllm._C
+from importlib.resources import files
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      "transformers", transformers.__version__, "vllm", vllm.__version__, vllm.__file__)
+print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+print("harness ops:", len(vllm._C.HARNESS_OPS))
+print("manifest:", (files("vllm") / "_gpu_harness_manifest.json").read_text())
+PY

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Stage what the GPU harness carries to the lent device (run on this machine).
+
+1. vLLM's Python files: taken from the pinned, sha256-verified official
+   v0.16.0 CUDA wheel (pin.toml, artifacts.wheel-x86_64), every ``.so`` left
+   out, with ``patches/series`` applied by ``patch -p1 --fuzz=0`` (``--stock``
+   skips the series). Packed as ``.device/vllm/vllm-py.tar.xz`` with a
+   manifest (``vllm/_gpu_harness_manifest.json``: wheel digest, series and
+   per-patch digests) so every device log says what it ran.
+2. The carried wheels: exactly the pins in
+   ``shared/notes/gpu-harness-wheels.txt`` (or ``--wheel-list``), cp312
+   manylinux x86_64, in ``.device/whl`` (downloaded with ``pip download
+   --no-deps --only-binary=:all:`` when missing).
+
+``.device/`` is git-ignored; name ``.device/whl`` and ``.device/vllm`` in the
+device call's ``carry``. The ops, the ``vllm._C`` stand-in and the xgrammar
+placeholder travel with the working tree and are installed on the device by
+``tools/gpu_harness/device_setup.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+from tools._common import load_pin  # noqa: E402
+
+DEVICE_DIR = REPO_ROOT / ".device"
+DEFAULT_WHEEL_LIST = [
+    REPO_ROOT / "shared" / "notes" / "gpu-harness-wheels.txt",
+    REPO_ROOT.parent / "shared" / "notes" / "gpu-harness-wheels.txt",
+]
+CACHE_DIRS = [Path.home() / ".cache" / "vllm-eagle3-stack"]
+CARRY_LIMIT = 64 * 2**20
+PLATFORMS = [
+    "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
+    "manylinux_2_24_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64",
+]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def find_wheel(explicit: Path | None) -> tuple[Path, str]:
+    art = load_pin().artifact("wheel-x86_64")
+    candidates = [explicit] if explicit else [d / art.filename for d in CACHE_DIRS]
+    for c in candidates:
+        if c and c.is_file():
+            digest = sha256(c)
+            if digest != art.sha256:
+                raise SystemExit(f"{c}: sha256 {digest} != pinned {art.sha256}")
+            return c, digest
+    raise SystemExit(
+        f"pinned wheel {art.filename} not found (looked in {candidates}); "
+        "fetch it with tools/fetch.py or pass --wheel"
+    )
+
+
+def read_series() -> list[str]:
+    series = REPO_ROOT / "patches" / "series"
+    if not series.is_file():
+        return []
+    names = []
+    for line in series.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line.split()[0])
+    return names
+
+
+def stage_vllm(wheel: Path, wheel_digest: str, stock: bool, out: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        with zipfile.ZipFile(wheel) as zf:
+            members = [
+                m for m in zf.namelist()
+                if not m.endswith("/") and ".so" not in Path(m).name
+                and (m.startswith("vllm/") or m.startswith("vllm-0.16.0.dist-info/"))
+            ]
+            zf.extractall(root, members)
+        applied = []
+        if not stock:
+            for name in read_series():
+                patch = REPO_ROOT / "patches" / name
+                r = subprocess.run(
+                    ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(patch)],
+                    cwd=root, capture_output=True, text=True,
+                )
+                if r.returncode != 0:
+                    raise SystemExit(f"patch {name} failed:\n{r.stdout}\n{r.stderr}")
+                applied.append({"patch": name, "sha256": sha256(patch)})
+        rej = list(root.rglob("*.rej")) + list(root.rglob("*.orig"))
+        if rej:
+            raise SystemExit(f"leftover patch files: {rej}")
+        manifest = {
+            "wheel": wheel.name,
+            "wheel_sha256": wheel_digest,
+            "variant": "stock" if stock else "patched",
+            "series": applied,
+            "series_sha256": hashlib.sha256(
+                "".join(p["sha256"] for p in applied).encode()
+            ).hexdigest() if applied else None,
+        }
+        (root / "vllm" / "_gpu_harness_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:xz", preset=6) as tf:
+            for p in sorted(root.rglob("*")):
+                if p.is_file():
+                    ti = tf.gettarinfo(str(p), arcname=str(p.relative_to(root)))
+                    ti.uid = ti.gid = 0
+                    ti.uname = ti.gname = ""
+                    ti.mtime = 0
+                    with p.open("rb") as f:
+                        tf.addfile(ti, f)
+        out.write_bytes(buf.getvalue())
+        return manifest
+
+
+def wheel_pins(path: Path) -> list[tuple[str, str]]:
+    pins = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins.append((name.strip(), version.strip()))
+    return pins
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def stage_wheels(list_path: Path, whl_dir: Path, download: bool) -> list[Path]:
+    whl_dir.mkdir(parents=True, exist_ok=True)
+    pins = wheel_pins(list_path)
+    have = {}
+    for w in whl_dir.glob("*.whl"):
+        dist, version = w.name.split("-")[:2]
+        have.setdefault(_norm(dist), []).append((version, w))
+    wanted, missing = [], []
+    for name, version in pins:
+        match = [w for v, w in have.get(_norm(name), []) if v == version]
+        if match:
+            wanted.append(match[0])
+        else:
+            missing.append(f"{name}=={version}")
+    if missing and download:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.12", "--implementation", "cp", "-d", str(whl_dir)]
+        for p in PLATFORMS:
+            cmd += ["--platform", p]
+        subprocess.run(cmd + missing, check=True)
+        return stage_wheels(list_path, whl_dir, download=False)
+    if missing:
+        raise SystemExit(f"missing wheels in {whl_dir}: {missing}")
+    extra = sorted(set(whl_dir.glob("*.whl")) - set(wanted))
+    if extra:
+        raise SystemExit(f"{whl_dir} holds wheels not in {list_path}: {[e.name for e in extra]}")
+    return wanted
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--wheel", type=Path, help="the pinned vLLM 0.16.0 x86_64 CUDA wheel")
+    ap.add_argument("--stock", action="store_true", help="do not apply patches/series")
+    ap.add_argument("--wheel-list", type=Path, help="pins of the carried wheels")
+    ap.add_argument("--no-download", action="store_true")
+    args = ap.parse_args(argv)
+
+    wheel, digest = find_wheel(args.wheel)
+    manifest = stage_vllm(wheel, digest, args.stock, DEVICE_DIR / "vllm" / "vllm-py.tar.xz")
+    print(json.dumps(manifest, indent=2))
+
+    wl = args.wheel_list or next((p for p in DEFAULT_WHEEL_LIST if p.is_file()), None)
+    if wl is None:
+        raise SystemExit("gpu-harness-wheels.txt not found; pass --wheel-list")
+    wheels = stage_wheels(wl, DEVICE_DIR / "whl", download=not args.no_download)
+
+    sizes = {
+        ".device/vllm": (DEVICE_DIR / "vllm" / "vllm-py.tar.xz").stat().st_size,
+        ".device/whl": sum(w.stat().st_size for w in wheels),
+    }
+    tracked = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO_ROOT, capture_output=True, check=True,
+    ).stdout.split(b"\0")
+    tree = sum((REPO_ROOT / p.decode()).stat().st_size for p in tracked if p and (REPO_ROOT / p.decode()).is_file())
+    total = tree + sum(sizes.values())
+    for k, v in sizes.items():
+        print(f"{k}: {v / 2**20:.1f} MiB")
+    print(f"working tree: {tree / 2**20:.1f} MiB; total carried: {total / 2**20:.1f} MiB "
+          f"(limit {CARRY_LIMIT / 2**20:.0f} MiB)")
+    if total > CARRY_LIMIT:
+        raise SystemExit("over the device's 64 MiB carry limit")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
