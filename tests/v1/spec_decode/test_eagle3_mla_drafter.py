@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How an EAGLE-3 drafter with a DeepSeek MLA draft layer reaches its model
+class (SpeculativeConfig -> EAGLEConfig -> registry) and the proposer.
+
+CPU-only: the configs are tiny config.json files; the proposer is driven
+through SpecDecodeBaseProposer.propose() up to the point where it hands the
+drafter's fused hidden states on, with no engine behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+HIDDEN = 64
+ATTN = dict(
+    hidden_size=HIDDEN,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=128,
+    torch_dtype="float32",
+)
+TARGET = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    **ATTN,
+)
+EAGLE3_FIELDS = dict(draft_vocab_size=128, eagle_aux_hidden_state_layer_ids=[1, 2, 4])
+DRAFT = dict(
+    architectures=["Eagle3DeepseekV2ForCausalLM"],
+    model_type="deepseek_v3",
+    intermediate_size=128,
+    num_hidden_layers=1,
+    n_routed_experts=None,
+    **ATTN,
+    **EAGLE3_FIELDS,
+)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3_mla_configs")
+
+    def write(name: str, **config) -> str:
+        path = root / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+        return str(path)
+
+    return SimpleNamespace(root=root, write=write, target=write("target", **TARGET))
+
+
+@pytest.fixture
+def in_tmp(monkeypatch, dirs):
+    # The registry inspects model classes in a `python -m` subprocess, which
+    # from the repository root would import the pristine vllm/ tree there.
+    monkeypatch.chdir(dirs.root)
+
+
+def speculative_config(dirs, draft: str, method: str | None = "eagle3"):
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    target = ModelConfig(
+        model=dirs.target, tokenizer=dirs.target, skip_tokenizer_init=True
+    )
+    return SpeculativeConfig(
+        method=method,
+        model=draft,
+        num_speculative_tokens=3,
+        target_model_config=target,
+        target_parallel_config=ParallelConfig(),
+    )
+
+
+# ------------------------------------------------- SpeculativeConfig routing
+
+
+def test_deepseek_type_eagle3_drafter_keeps_its_architecture(dirs, in_tmp):
+    config = speculative_config(dirs, dirs.write("mla_draft", **DRAFT))
+    draft = config.draft_model_config
+    assert draft.architectures == ["Eagle3DeepseekV2ForCausalLM"]
+    assert draft.architecture == "Eagle3DeepseekV2ForCausalLM"
+    assert draft.hf_config.model.model_type == "deepseek_v3"
+    assert draft.hf_config.eagle_aux_hidden_state_layer_ids == [1, 2, 4]
+
+
+def test_plain_deepseek_v3_drafter_with_method_eagle3(dirs, in_tmp):
+    # No EAGLE-3 field at all: the explicit method decides.
+    plain = {**DRAFT, "architectures": ["DeepseekV3ForCausalLM"]}
+    for key in EAGLE3_FIELDS:
+        plain.pop(key)
+    config = speculative_config(dirs, dirs.write("plain_v3_draft", **plain))
+    assert config.draft_model_config.architectures == ["Eagle3DeepseekV3ForCausalLM"]
+    assert config.draft_model_config.architecture == "Eagle3DeepseekV3ForCausalLM"
+
+
+def test_method_detected_from_the_name_keeps_the_drafter(dirs, in_tmp):
+    # method None: "eagle3" in the path selects EAGLE-3 only after the draft
+    # config was loaded, so the EAGLE-3 fields must keep it out of MTP.
+    path = dirs.write(
+        "kimi-eagle3-mla", **{**DRAFT, "architectures": ["DeepseekV3ForCausalLM"]}
+    )
+    config = speculative_config(dirs, path, method=None)
+    assert config.method == "eagle3"
+    assert config.draft_model_config.architectures == ["Eagle3DeepseekV3ForCausalLM"]
+
+
+@pytest.mark.regression
+def test_deepseek_checkpoint_without_eagle3_fields_is_still_mtp():
+    from transformers import DeepseekV3Config
+
+    from vllm.config import SpeculativeConfig
+
+    for model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+        cfg = DeepseekV3Config(num_nextn_predict_layers=1)
+        cfg.model_type = model_type
+        cfg.architectures = ["DeepseekV3ForCausalLM"]
+        out = SpeculativeConfig.hf_config_override(cfg)
+        assert out.model_type == "deepseek_mtp"
+        assert out.architectures == ["DeepSeekMTPModel"]
+        assert out.n_predict == 1
+
+
+def test_hf_config_override_leaves_eagle3_drafters_alone():
+    from transformers import DeepseekV3Config
+
+    from vllm.config import SpeculativeConfig
+
+    markers = [
+        {"architectures": ["Eagle3DeepseekV2ForCausalLM"]},
+        {"architectures": ["DeepseekV3ForCausalLMEagle3"]},
+        {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]},
+        {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}},
+        {"draft_vocab_size": 128},
+    ]
+    for marker in markers:
+        cfg = DeepseekV3Config()
+        cfg.architectures = ["DeepseekV3ForCausalLM"]
+        for key, value in marker.items():
+            setattr(cfg, key, value)
+        out = SpeculativeConfig.hf_config_override(cfg)
+        assert out.model_type == "deepseek_v3", marker
+        declared = marker.get("architectures", ["DeepseekV3ForCausalLM"])
+        assert out.architectures == declared
+
+
+# ------------------------------------------------------------------ proposer
+
+
+class _Reached(Exception):
+    pass
+
+
+def _propose_until_first_pass(model, aux: torch.Tensor) -> torch.Tensor:
+    """Run SpecDecodeBaseProposer.propose() until it hands the drafter's fused
+    target states to set_inputs_first_pass, and return them."""
+    from vllm.v1.spec_decode.eagle import SpecDecodeBaseProposer
+
+    def first_pass(**kwargs):
+        raise _Reached(kwargs["target_hidden_states"])
+
+    proposer = SimpleNamespace(
+        method="eagle3",
+        model=model,
+        hidden_size=HIDDEN,
+        set_inputs_first_pass=first_pass,
+    )
+    with pytest.raises(_Reached) as reached:
+        SpecDecodeBaseProposer.propose(
+            proposer,
+            target_token_ids=torch.zeros(aux.shape[0], dtype=torch.long),
+            target_positions=torch.arange(aux.shape[0]),
+            target_hidden_states=aux,
+            next_token_ids=torch.zeros(1, dtype=torch.long),
+            token_indices_to_sample=None,
+            common_attn_metadata=SimpleNamespace(batch_size=lambda: 1),
+            sampling_metadata=None,
+        )
+    return reached.value.args[0]
+
+
+def test_proposer_accepts_the_mla_drafter():
+    from vllm.model_executor.models.deepseek_eagle3 import (
+        Eagle3DeepseekV2ForCausalLM,
+        Eagle3DeepseekV3ForCausalLM,
+    )
+
+    assert Eagle3DeepseekV3ForCausalLM is Eagle3DeepseekV2ForCausalLM
+    # The drafter class with just the parts propose() touches first.
+    drafter = object.__new__(Eagle3DeepseekV2ForCausalLM)
+    nn.Module.__init__(drafter)
+    inner = nn.Module()
+    inner.use_aux_hidden_state = True
+    inner.fc = nn.Linear(3 * HIDDEN, HIDDEN, bias=False)
+    drafter.model = inner
+    aux = torch.randn(5, 3 * HIDDEN)
+    fused = _propose_until_first_pass(drafter, aux)
+    torch.testing.assert_close(fused, inner.fc(aux))
+
+
+@pytest.mark.regression
+def test_proposer_still_refuses_other_models_for_eagle3():
+    with pytest.raises(AssertionError):
+        _propose_until_first_pass(
+            nn.Linear(3 * HIDDEN, HIDDEN), torch.randn(2, 3 * HIDDEN)
+        )
