@@ -31,6 +31,15 @@ Kinds:
     over 3 target states, ``d2t``/``t2d`` vocabulary maps) whose config carries
     ``eagle_aux_hidden_state_layer_ids``. Sized for the default
     ``deepseek-v3`` target unless told otherwise.
+``eagle3-mla-drafter``
+    An EAGLE-3 draft head with a DeepSeek MLA draft layer, in the layout of
+    the published "eagle3-mla" drafters (``Eagle3DeepseekV2ForCausalLM``,
+    model type ``deepseek_v3`` or, with ``model_type="kimi_k2"``, the Kimi
+    one): ``midlayer.self_attn.{q_a_proj,kv_a_proj_with_mqa}`` read
+    [embeds, hidden] (2 x hidden), a dense ``midlayer.mlp``, ``fc`` over the
+    aux states, ``d2t``/``t2d``; no ``embed_tokens`` (shared with the target).
+    Its attention geometry equals the ``deepseek-v3`` target's, so it shares
+    the target's KV cache with MLA on or off.
 
 Every kind gets the same minimal tokenizer: a byte-level BPE ``tokenizer.json``
 (256 byte tokens, no merges, so one token per UTF-8 byte) plus special tokens,
@@ -58,7 +67,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-KINDS: tuple[str, ...] = ("deepseek-v3", "kimi-k25", "glm5", "eagle3-drafter")
+KINDS: tuple[str, ...] = (
+    "deepseek-v3",
+    "kimi-k25",
+    "glm5",
+    "eagle3-drafter",
+    "eagle3-mla-drafter",
+)
+DRAFTER_KINDS: tuple[str, ...] = ("eagle3-drafter", "eagle3-mla-drafter")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -701,11 +717,85 @@ def write_eagle3_drafter(
     return _finish("eagle3-drafter", outdir, w, cfg, write_tokenizer(outdir))
 
 
+def eagle3_mla_drafter_config(
+    aux_layer_ids: Sequence[int] | None = (1, 3, 6),
+    draft_vocab_size: int = 256,
+    model_type: str = "deepseek_v3",
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Config of an EAGLE-3 drafter with a DeepSeek MLA draft layer: the
+    target's DeepSeek-V3 text config cut to one dense layer, plus the EAGLE-3
+    fields (as the published eagle3-mla drafters ship it)."""
+    cfg = deepseek_v3_text_config(
+        architectures=["Eagle3DeepseekV2ForCausalLM"],
+        model_type=model_type,
+        num_hidden_layers=1,
+        first_k_dense_replace=1,
+        n_routed_experts=None,
+        draft_vocab_size=draft_vocab_size,
+        eagle_config={"use_aux_hidden_state": True},
+    )
+    cfg["target_hidden_size"] = cfg["hidden_size"]
+    if aux_layer_ids is not None:
+        ids = [int(i) for i in aux_layer_ids]
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    cfg.update(overrides)
+    return cfg
+
+
+def write_eagle3_mla_drafter(
+    outdir: Path,
+    seed: int,
+    dtype: str = "float32",
+    aux_layer_ids: Sequence[int] | None = (1, 3, 6),
+    **overrides: Any,
+) -> Written:
+    cfg = eagle3_mla_drafter_config(
+        aux_layer_ids=aux_layer_ids, torch_dtype=dtype, **overrides
+    )
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    inter, dv = cfg["intermediate_size"], cfg["draft_vocab_size"]
+    w = WeightWriter(seed, DTYPES[dtype])
+    n_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
+    w.linear("fc", h, n_aux * cfg["target_hidden_size"])
+    m = "midlayer"
+    w.norm(f"{m}.input_layernorm", h)
+    w.norm(f"{m}.hidden_norm", h)
+    w.norm(f"{m}.post_attention_layernorm", h)
+    a = f"{m}.self_attn"
+    # The draft layer attends over [embeds, hidden]: 2*h inputs.
+    if q_lora is None:
+        w.linear(f"{a}.q_proj", heads * (nope + rope), 2 * h)
+    else:
+        w.linear(f"{a}.q_a_proj", q_lora, 2 * h)
+        w.norm(f"{a}.q_a_layernorm", q_lora)
+        w.linear(f"{a}.q_b_proj", heads * (nope + rope), q_lora)
+    w.linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, 2 * h)
+    w.norm(f"{a}.kv_a_layernorm", kv_lora)
+    w.linear(f"{a}.kv_b_proj", heads * (nope + v), kv_lora)
+    w.linear(f"{a}.o_proj", h, heads * v)
+    w.linear(f"{m}.mlp.gate_proj", inter, h)
+    w.linear(f"{m}.mlp.up_proj", inter, h)
+    w.linear(f"{m}.mlp.down_proj", h, inter)
+    w.norm("norm", h)
+    w.linear("lm_head", dv, h)
+    keep = torch.randperm(cfg["vocab_size"], generator=w.gen)[:dv].sort().values
+    w.raw("d2t", (keep - torch.arange(dv)).to(torch.int64))
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[keep] = True
+    w.raw("t2d", t2d)
+    return _finish("eagle3-mla-drafter", outdir, w, cfg, write_tokenizer(outdir))
+
+
 WRITERS: dict[str, Callable[..., Written]] = {
     "deepseek-v3": write_deepseek_v3,
     "kimi-k25": write_kimi_k25,
     "glm5": write_glm5,
     "eagle3-drafter": write_eagle3_drafter,
+    "eagle3-mla-drafter": write_eagle3_mla_drafter,
 }
 
 
@@ -765,8 +855,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_list,
         default=_UNSET,
         help=(
-            "eagle3-drafter: eagle_aux_hidden_state_layer_ids, e.g. 1,3,6 "
-            "(default 1,3,6; 'none' leaves the field out)"
+            "eagle3-drafter, eagle3-mla-drafter: eagle_aux_hidden_state_layer_ids, "
+            "e.g. 1,3,6 (default 1,3,6; 'none' leaves the field out)"
         ),
     )
     p.add_argument(
@@ -781,14 +871,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     kwargs: dict[str, Any] = {"dtype": args.dtype}
     if args.num_hidden_layers is not None:
-        if args.kind == "eagle3-drafter":
+        if args.kind in DRAFTER_KINDS:
             raise SystemExit("--num-hidden-layers applies to target kinds only")
         if args.num_hidden_layers < 6:
             raise SystemExit("--num-hidden-layers must be >= 6 (distinct aux ids)")
         kwargs["num_hidden_layers"] = args.num_hidden_layers
     if args.aux_layer_ids is not _UNSET:
-        if args.kind != "eagle3-drafter":
-            raise SystemExit("--aux-layer-ids applies to eagle3-drafter only")
+        if args.kind not in DRAFTER_KINDS:
+            raise SystemExit("--aux-layer-ids applies to the drafter kinds only")
         kwargs["aux_layer_ids"] = args.aux_layer_ids
     if args.remote_code_config:
         if args.kind != "glm5":
