@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""EAGLE-3 with an MLA-architecture drafter on a DeepSeek-V3 target, on a GPU.
+
+The real v0.16.0 engine (scheduler, model runner, EAGLE proposer, rejection
+sampler) serves the tiny random DeepSeek-V3 target with tiny random drafters
+in the layout of the published "eagle3-mla" checkpoints
+(``Eagle3DeepseekV2ForCausalLM``: a DeepSeek MLA draft layer over
+[embeds, hidden], dense MLP, ``fc`` over the aux states, ``d2t``/``t2d``;
+``tools/tiny_checkpoints.py`` kind ``eagle3-mla-drafter``), declared once with
+model type ``deepseek_v3`` and once with ``kimi_k2`` (the Kimi drafters' type,
+which ships no configuration code):
+
+* greedy output with EAGLE-3 (k=3) equals greedy output without speculation,
+  token for token, for prompts of different lengths;
+* the drafter really drafted (spec-decode counters), and the engine resolved
+  the draft model to ``Eagle3DeepseekV2ForCausalLM``.
+
+Random weights mean low acceptance; the counters are recorded
+(EAGLE3_GPU_RESULTS_DIR), not asserted beyond "drafts were made". The
+drafter's forward math is checked against a written-out reference on CPU
+(tests/models/test_deepseek_eagle3_drafter.py).
+
+Settings as in gpu_e2e_helpers.py: float32, eager, and MLA off unless
+EAGLE3_GPU_MLA=1 (then the draft layer is DeepseekV2MLAAttention and joins
+the target's MLA KV-cache group). Stock v0.16.0 fails at config validation
+(the DeepSeek-V3 target is refused for EAGLE-3) and, past that, cannot
+resolve the drafter (it becomes "Eagle3DeepSeekMTPModel", or for kimi_k2
+its config does not load).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _load_helpers():
+    """gpu_e2e_helpers.py next to this file: importable by name when pytest
+    puts this directory on sys.path (prepend mode, as the GPU harness runs
+    it), loaded from its path otherwise (test.sh's --import-mode=importlib)."""
+    name = "gpu_e2e_helpers"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).with_name(f"{name}.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+_h = _load_helpers()
+NUM_SPEC_TOKENS = _h.NUM_SPEC_TOKENS
+configure_env = _h.configure_env
+engine_kwargs = _h.engine_kwargs
+first_divergence = _h.first_divergence
+generate_tokens = _h.generate_tokens
+harness_in_use = _h.harness_in_use
+shutdown = _h.shutdown
+token_prompts = _h.token_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
+
+PROMPT_LENGTHS = [3, 17, 41, 90, 160]
+MAX_TOKENS = 48
+DRAFTER_ARCH = "Eagle3DeepseekV2ForCausalLM"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env():
+    configure_env()
+
+
+@pytest.fixture(scope="module")
+def mla_drafters(tmp_path_factory):
+    """One MLA drafter per declared model type, same weights (seed 4), sized
+    for the deepseek-v3 target: aux ids (1, 3, 6), draft vocab 256."""
+    tiny = _h._tiny()
+    root = tmp_path_factory.mktemp("eagle3-mla-drafters")
+    return {
+        model_type: tiny.write_checkpoint(
+            "eagle3-mla-drafter", root / model_type, seed=4, model_type=model_type
+        ).outdir
+        for model_type in ("deepseek_v3", "kimi_k2")
+    }
+
+
+def _serve(model, prompts, max_tokens, drafter=None):
+    from vllm import LLM
+
+    llm = LLM(**engine_kwargs(model, drafter))
+    try:
+        arch = None
+        if drafter is not None:
+            spec = llm.llm_engine.vllm_config.speculative_config
+            arch = spec.draft_model_config.architecture
+        tokens, metrics = generate_tokens(llm, prompts, max_tokens)
+        return tokens, metrics, arch
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def plain_dsv3(tiny_ckpts):
+    prompts = token_prompts(PROMPT_LENGTHS, seed=4)
+    tokens, metrics, _ = _serve(tiny_ckpts.deepseek_v3, prompts, MAX_TOKENS)
+    assert metrics["num_drafts"] == 0
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    return prompts, tokens
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_k2"])
+def test_deepseek_v3_mla_drafter_greedy_equals_plain(
+    tiny_ckpts, mla_drafters, plain_dsv3, results_dir, model_type
+):
+    prompts, plain = plain_dsv3
+    spec, metrics, arch = _serve(
+        tiny_ckpts.deepseek_v3, prompts, MAX_TOKENS, drafter=mla_drafters[model_type]
+    )
+    (results_dir / f"deepseek_v3_eagle3_mla_{model_type}.json").write_text(
+        json.dumps(
+            {
+                "drafter_model_type": model_type,
+                "drafter_architecture": arch,
+                "prompt_lengths": PROMPT_LENGTHS,
+                "max_tokens": MAX_TOKENS,
+                "num_speculative_tokens": NUM_SPEC_TOKENS,
+                "equal": plain == spec,
+                "plain": plain,
+                "eagle3": spec,
+                "spec_decode_metrics": metrics,
+                "harness": harness_in_use(),
+            },
+            indent=1,
+        )
+    )
+    assert arch == DRAFTER_ARCH
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert a == b, (
+            f"prompt {i}: EAGLE-3 (MLA drafter, {model_type}) output diverges "
+            f"from plain greedy at token {first_divergence(a, b)}\n"
+            f"plain: {a}\neagle3: {b}"
+        )
+    assert len(spec) == len(plain)
+    assert metrics["num_drafts"] > 0, f"no drafts were proposed: {metrics}"
+    assert metrics["num_draft_tokens"] == NUM_SPEC_TOKENS * metrics["num_drafts"]
+    assert 0 <= metrics["num_accepted_tokens"] <= metrics["num_draft_tokens"]
