@@ -659,12 +659,20 @@ def eagle3_drafter_config(
         "eagle_config": {"use_aux_hidden_state": True},
         "torch_dtype": "float32",
     }
+    _set_aux_layer_ids(cfg, aux_layer_ids)
+    cfg.update(overrides)
+    return cfg
+
+
+
+def _set_aux_layer_ids(cfg: dict[str, Any], aux_layer_ids: Sequence[int] | None) -> None:
+    """Both places drafters keep the ids (top level, as vLLM's runner reads
+    them, and in eagle_config, as speculators writes them); None leaves the
+    field out so the target's default applies."""
     if aux_layer_ids is not None:
         ids = [int(i) for i in aux_layer_ids]
         cfg["eagle_aux_hidden_state_layer_ids"] = ids
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
-    cfg.update(overrides)
-    return cfg
 
 
 def write_eagle3_drafter(
@@ -736,10 +744,7 @@ def eagle3_mla_drafter_config(
         eagle_config={"use_aux_hidden_state": True},
     )
     cfg["target_hidden_size"] = cfg["hidden_size"]
-    if aux_layer_ids is not None:
-        ids = [int(i) for i in aux_layer_ids]
-        cfg["eagle_aux_hidden_state_layer_ids"] = ids
-        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    _set_aux_layer_ids(cfg, aux_layer_ids)
     cfg.update(overrides)
     return cfg
 
