@@ -114,8 +114,11 @@ def make_cuda(root: Path) -> Path:
     if _stamp_ok(path, wheel):
         say(TOOL, f"{path} already holds {wheel.name}")
         return python
-    _pip(python, "install", "-q", str(wheel), *TEST_TOOLS)
-    _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
+    if (path / ".stack-wheel").exists():
+        # Same dependencies, another build of the series: swap the wheel only.
+        _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
+    else:
+        _pip(python, "install", "-q", str(wheel), *TEST_TOOLS)
     _stamp(path, wheel)
     say(TOOL, f"{path}: {wheel.name} with vLLM 0.16.0's own dependencies")
     return python
