@@ -55,7 +55,7 @@ def main() -> int:
         print(f"[{TOOL}] {p}", file=sys.stderr)
     feats = sum(1 for e in report.values()
                 if not e.get("regression") and e.get("outcome") != "skipped")
-    regs = len(report) - feats
+    regs = sum(1 for e in report.values() if e.get("regression"))
     if problems:
         say(TOOL, f"{len(problems)} test(s) do not discriminate stock from the series")
         return 1
