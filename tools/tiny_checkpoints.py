@@ -621,6 +621,23 @@ def write_kimi_k25(
     return _finish("kimi-k25", outdir, w, cfg, extra)
 
 
+def _write_draft_mlp_and_head(w: Any, cfg: dict[str, Any], m: str, h: int,
+                              inter: int, dv: int) -> None:
+    """The dense MLP of the draft layer ``m``, the final norm, the draft
+    lm_head and the vocabulary maps, shared by both drafter layouts. The
+    draft vocabulary is a seeded, sorted subset of the target's ids."""
+    w.linear(f"{m}.mlp.gate_proj", inter, h)
+    w.linear(f"{m}.mlp.up_proj", inter, h)
+    w.linear(f"{m}.mlp.down_proj", h, inter)
+    w.norm("norm", h)
+    w.linear("lm_head", dv, h)
+    keep = torch.randperm(cfg["vocab_size"], generator=w.gen)[:dv].sort().values
+    w.raw("d2t", (keep - torch.arange(dv)).to(torch.int64))
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[keep] = True
+    w.raw("t2d", t2d)
+
+
 def eagle3_drafter_config(
     target_hidden_size: int = 128,
     target_vocab_size: int = VOCAB_SIZE,
@@ -711,17 +728,7 @@ def write_eagle3_drafter(
     w.linear(f"{m}.self_attn.k_proj", kv_heads * hd, 2 * h)
     w.linear(f"{m}.self_attn.v_proj", kv_heads * hd, 2 * h)
     w.linear(f"{m}.self_attn.o_proj", h, heads * hd)
-    w.linear(f"{m}.mlp.gate_proj", inter, h)
-    w.linear(f"{m}.mlp.up_proj", inter, h)
-    w.linear(f"{m}.mlp.down_proj", h, inter)
-    w.norm("norm", h)
-    w.linear("lm_head", dv, h)
-    # Draft vocabulary: a seeded, sorted subset of the target's ids.
-    keep = torch.randperm(cfg["vocab_size"], generator=w.gen)[:dv].sort().values
-    w.raw("d2t", (keep - torch.arange(dv)).to(torch.int64))
-    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
-    t2d[keep] = True
-    w.raw("t2d", t2d)
+    _write_draft_mlp_and_head(w, cfg, m, h, inter, dv)
     return _finish("eagle3-drafter", outdir, w, cfg, write_tokenizer(outdir))
 
 
@@ -782,16 +789,7 @@ def write_eagle3_mla_drafter(
     w.norm(f"{a}.kv_a_layernorm", kv_lora)
     w.linear(f"{a}.kv_b_proj", heads * (nope + v), kv_lora)
     w.linear(f"{a}.o_proj", h, heads * v)
-    w.linear(f"{m}.mlp.gate_proj", inter, h)
-    w.linear(f"{m}.mlp.up_proj", inter, h)
-    w.linear(f"{m}.mlp.down_proj", h, inter)
-    w.norm("norm", h)
-    w.linear("lm_head", dv, h)
-    keep = torch.randperm(cfg["vocab_size"], generator=w.gen)[:dv].sort().values
-    w.raw("d2t", (keep - torch.arange(dv)).to(torch.int64))
-    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
-    t2d[keep] = True
-    w.raw("t2d", t2d)
+    _write_draft_mlp_and_head(w, cfg, m, h, inter, dv)
     return _finish("eagle3-mla-drafter", outdir, w, cfg, write_tokenizer(outdir))
 
 
