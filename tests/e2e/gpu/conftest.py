@@ -11,11 +11,16 @@ CPU op tests (test_harness_ops.py).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+# gpu_e2e_helpers.py sits beside this file; appended (not prepended) so the
+# installed vllm keeps precedence, and importable in either pytest import mode.
+if str(HERE) not in sys.path:
+    sys.path.append(str(HERE))
 
 
 def _cuda_reason() -> str | None:
@@ -56,27 +61,9 @@ def results_dir(tmp_path_factory) -> Path:
     return path
 
 
-def load_helpers():
-    """gpu_e2e_helpers.py beside this file, by name if importable (pytest's
-    prepend import mode), else from its path (--import-mode=importlib)."""
-    import importlib
-    import importlib.util
-    import sys
-
-    name = "gpu_e2e_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory):
     """Tiny seeded random checkpoints (tools/tiny_checkpoints.py)."""
-    return load_helpers().make_checkpoints(tmp_path_factory.mktemp("tiny-ckpts"))
+    import gpu_e2e_helpers
+
+    return gpu_e2e_helpers.make_checkpoints(tmp_path_factory.mktemp("tiny-ckpts"))

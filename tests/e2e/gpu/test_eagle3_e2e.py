@@ -21,33 +21,22 @@ support EAGLE3 interface").
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-
-def _helpers():
-    name = "gpu_e2e_helpers"
-    if name not in sys.modules:  # works in prepend and importlib import modes
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_h = _helpers()
-NUM_SPEC_TOKENS = _h.NUM_SPEC_TOKENS
-configure_env = _h.configure_env
-engine_kwargs = _h.engine_kwargs
-first_divergence = _h.first_divergence
-generate_tokens = _h.generate_tokens
-harness_in_use = _h.harness_in_use
-shutdown = _h.shutdown
-token_prompts = _h.token_prompts
+# conftest.py puts this directory on sys.path.
+from gpu_e2e_helpers import (
+    NUM_SPEC_TOKENS,
+    _tiny,
+    configure_env,
+    engine_kwargs,
+    first_divergence,
+    generate_tokens,
+    harness_in_use,
+    shutdown,
+    token_prompts,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -167,7 +156,7 @@ def test_glm5_eagle3_greedy(tiny_ckpts, results_dir, monkeypatch, tmp_path):
         pytest.skip(f"FLASHMLA_SPARSE unavailable: {why}")
     if not has_deep_gemm():
         pytest.skip("DeepGEMM is not installed (the DSA indexer needs it)")
-    tiny = _h._tiny()
+    tiny = _tiny()
     glm = tmp_path / "glm5"
     # FlashMLA sparse needs kv_lora_rank + qk_rope_head_dim = 576 and bf16.
     tiny.write_checkpoint(

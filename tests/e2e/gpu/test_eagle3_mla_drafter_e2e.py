@@ -30,42 +30,22 @@ its config does not load).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-
-def _load_helpers():
-    """gpu_e2e_helpers.py next to this file: importable by name when pytest
-    puts this directory on sys.path (prepend mode, as the GPU harness runs
-    it), loaded from its path otherwise (test.sh's --import-mode=importlib)."""
-    name = "gpu_e2e_helpers"
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name(f"{name}.py")
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-_h = _load_helpers()
-NUM_SPEC_TOKENS = _h.NUM_SPEC_TOKENS
-configure_env = _h.configure_env
-engine_kwargs = _h.engine_kwargs
-first_divergence = _h.first_divergence
-generate_tokens = _h.generate_tokens
-harness_in_use = _h.harness_in_use
-shutdown = _h.shutdown
-token_prompts = _h.token_prompts
+# conftest.py puts this directory on sys.path.
+from gpu_e2e_helpers import (
+    NUM_SPEC_TOKENS,
+    _tiny,
+    configure_env,
+    engine_kwargs,
+    first_divergence,
+    generate_tokens,
+    harness_in_use,
+    shutdown,
+    token_prompts,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -83,7 +63,7 @@ def _env():
 def mla_drafters(tmp_path_factory):
     """One MLA drafter per declared model type, same weights (seed 4), sized
     for the deepseek-v3 target: aux ids (1, 3, 6), draft vocab 256."""
-    tiny = _h._tiny()
+    tiny = _tiny()
     root = tmp_path_factory.mktemp("eagle3-mla-drafters")
     return {
         model_type: tiny.write_checkpoint(
