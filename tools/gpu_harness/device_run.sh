@@ -64,11 +64,11 @@ for s in $STAGES; do
       grep -qE "PASSED.*test_deepseek_v3_eagle3_greedy_equals_plain|test_deepseek_v3_eagle3_greedy_equals_plain PASSED" "$OUT/e2e.log" || E2E_OK=0 ;;
     e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py ;;
     probe) stage probe 150 "$OUT/probe.log" python3 tools/gpu_harness/probe_glm5.py ;;
-    bench) stage bench ${BENCH_LIMIT_S:-480} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
+    bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
 for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/probe.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT" "$f" | tail -20; }; done
-[[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|Error" "$OUT/bench.log" | cut -c1-1500 | tail -14; }
+[[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error" "$OUT/bench.log" | cut -c1-1500 | tail -14; }
 exit 0
