@@ -83,6 +83,25 @@ def _prompts(n, seed, lo=8, hi=24):
     return [{"prompt_token_ids": rule_sequence(rng, f, rng.randint(lo, hi))} for _ in range(n)]
 
 
+def _optimizer(params, lr: float, steps: int):
+    """AdamW with 50 warm-up steps and a cosine decay; ``step(loss)`` clips and steps."""
+    import torch
+
+    params = list(params)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+    def step(loss) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+
+    return step
+
+
 def train_target(target_dir: Path, steps: int, device: str = "cuda", batch_size: int = 64) -> dict:
     """Train the tiny target on the skip-rule language, in place."""
     import torch
@@ -94,9 +113,7 @@ def train_target(target_dir: Path, steps: int, device: str = "cuda", batch_size:
     rng = random.Random(11)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    opt_step = _optimizer(model.parameters(), 1e-3, steps)
 
     def batch(n):
         return torch.tensor([rule_sequence(rng, f, TARGET_SEQ_LEN) for _ in range(n)], device=device)
@@ -107,11 +124,7 @@ def train_target(target_dir: Path, steps: int, device: str = "cuda", batch_size:
     for step in range(steps):
         x = batch(batch_size)
         loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        opt_step(loss)
         if step % 200 == 0 or step == steps - 1:
             model.eval()
             with torch.no_grad():
@@ -343,10 +356,7 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
     weights = load_file(str(Path(drafter_dir) / "model.safetensors"))
     embed = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
     d = Drafter(cfg, weights, embed, device)
-    opt = torch.optim.AdamW(d.params(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
+    opt_step = _optimizer(d.params(), 2e-3, steps)
     log = []
     best = (-1.0, None)
     t0 = time.perf_counter()
@@ -354,11 +364,7 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
         idx = torch.randint(n_val, len(keep), (64,), device=device)
         losses, _ = d.unrolled_loss(toks[idx], aux[idx], mask[idx])
         loss = sum(lw * l for lw, l in zip((1.0, 0.8, 0.6), losses))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(d.params(), 1.0)
-        opt.step()
-        sched.step()
+        opt_step(loss)
         if step % 100 == 0 or step == steps - 1:
             with torch.no_grad():
                 vl, va = d.unrolled_loss(toks[:n_val], aux[:n_val], mask[:n_val])
