@@ -360,20 +360,23 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
     log = []
     best = (-1.0, None)
     t0 = time.perf_counter()
-    for step in range(steps):
-        idx = torch.randint(n_val, len(keep), (64,), device=device)
-        losses, _ = d.unrolled_loss(toks[idx], aux[idx], mask[idx])
-        loss = sum(lw * l for lw, l in zip((1.0, 0.8, 0.6), losses))
-        opt_step(loss)
-        if step % 100 == 0 or step == steps - 1:
+    # Step -1 is the drafter as it came, before any update.
+    for step in range(-1, steps):
+        loss = None
+        if step >= 0:
+            idx = torch.randint(n_val, len(keep), (64,), device=device)
+            losses, _ = d.unrolled_loss(toks[idx], aux[idx], mask[idx])
+            loss = sum(lw * l for lw, l in zip((1.0, 0.8, 0.6), losses))
+            opt_step(loss)
+        if step % 100 == 0 or step in (-1, steps - 1):
             with torch.no_grad():
                 vl, va = d.unrolled_loss(toks[:n_val], aux[:n_val], mask[:n_val])
-            log.append({"step": step, "train_loss": loss.item(), "val_loss": [float(x) for x in vl],
-                        "val_acc": va})
+            log.append({"step": step, "train_loss": None if loss is None else loss.item(),
+                        "val_loss": [float(x) for x in vl], "val_acc": va})
             print(json.dumps(log[-1]))
             # Keep the weights of the best validation point (a tiny data set
             # overfits late in the schedule).
-            score = va[0] + va[0] * va[1] + va[0] * va[1] * va[2]
+            score = predicted_acceptance_length(va)
             if score > best[0]:
                 best = (score, {k: v.detach().clone() for k, v in d.p.items()}, len(log) - 1)
     train_seconds = time.perf_counter() - t0
@@ -387,7 +390,17 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
     save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
     return {"steps": steps, "train_seconds": train_seconds, "sequences": len(keep),
             "seq_len": L, "val_sequences": n_val, "kept_step": log[best[2]]["step"],
-            "kept_val_acc": log[best[2]]["val_acc"], "log": log}
+            "kept_val_acc": log[best[2]]["val_acc"], "untrained_val_acc": log[0]["val_acc"],
+            "log": log}
+
+
+def predicted_acceptance_length(acc: list[float]) -> float:
+    """1 + a1 + a1*a2 + ...: the mean acceptance length of per-step accuracies."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
 
 
 # ---------------------------------------------------------------------------
@@ -439,8 +452,8 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int):
 
     results["training"] = train(target, rnd, seqs, prompt_lens, work / "aux.pt", trained, steps)
 
-    a = results["training"]["kept_val_acc"]
-    results["training"]["predicted_acceptance_length"] = 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]
+    results["training"]["predicted_acceptance_length"] = predicted_acceptance_length(
+        results["training"]["kept_val_acc"])
     print("RESULT training", json.dumps({k: v for k, v in results["training"].items() if k != "log"}), flush=True)
 
     results["eagle3_trained"], tr_outs, _ = bench_engine(target, trained, eval_prompts)
