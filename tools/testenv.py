@@ -139,7 +139,7 @@ def make_cuda(root: Path) -> Path:
 
 
 # A fresh cpu venv holds torch 2.10.0 with its CUDA libraries (the index's only
-# x86_64 build): 8.1 GB measured, and pip caches about 4 GB of downloads.
+# x86_64 build): 8.1 GB measured, plus whatever pip caches of its downloads.
 CPU_VENV_NEEDS_GB = 9
 
 
