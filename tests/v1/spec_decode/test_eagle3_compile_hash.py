@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.config.speculative import SpeculativeConfig
 
 COMMON = dict(
@@ -137,6 +137,9 @@ def test_vllm_config_hash_names_another_cache_directory(tmp_path):
 
     def vllm_hash(ids):
         spec = _spec(target, _write(tmp_path / "drafter", dict(LLAMA_DRAFTER, eagle_aux_hidden_state_layer_ids=ids)))
-        return VllmConfig(model_config=target, speculative_config=spec).compute_hash()
+        # An explicit device: without a GPU the CUDA build cannot infer one.
+        return VllmConfig(
+            model_config=target, speculative_config=spec, device_config=DeviceConfig(device="cpu")
+        ).compute_hash()
 
     assert vllm_hash([1, 4, 7]) != vllm_hash([2, 4, 5])
