@@ -621,6 +621,19 @@ def write_kimi_k25(
     return _finish("kimi-k25", outdir, w, cfg, extra)
 
 
+def _write_draft_fc_and_norms(w: Any, cfg: dict[str, Any], h: int) -> str:
+    """``fc`` over the aux states and the draft layer's three norms, in the
+    order both drafter kinds write them; returns the draft layer's prefix."""
+    # Without explicit ids the target's default (3 layers) is used.
+    n_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
+    w.linear("fc", h, n_aux * cfg["target_hidden_size"])
+    m = "midlayer"
+    w.norm(f"{m}.input_layernorm", h)
+    w.norm(f"{m}.hidden_norm", h)
+    w.norm(f"{m}.post_attention_layernorm", h)
+    return m
+
+
 def _write_draft_mlp_and_head(w: Any, cfg: dict[str, Any], m: str, h: int,
                               inter: int, dv: int) -> None:
     """The dense MLP of the draft layer ``m``, the final norm, the draft
@@ -716,13 +729,7 @@ def write_eagle3_drafter(
     )
     inter, dv = cfg["intermediate_size"], cfg["draft_vocab_size"]
     w = WeightWriter(seed, DTYPES[dtype])
-    # Without explicit ids the target's default (3 layers) is used.
-    n_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
-    w.linear("fc", h, n_aux * cfg["target_hidden_size"])
-    m = "midlayer"
-    w.norm(f"{m}.input_layernorm", h)
-    w.norm(f"{m}.hidden_norm", h)
-    w.norm(f"{m}.post_attention_layernorm", h)
+    m = _write_draft_fc_and_norms(w, cfg, h)
     # The first (only) layer attends over [embeds, hidden]: 2*h inputs.
     w.linear(f"{m}.self_attn.q_proj", heads * hd, 2 * h)
     w.linear(f"{m}.self_attn.k_proj", kv_heads * hd, 2 * h)
@@ -771,12 +778,7 @@ def write_eagle3_mla_drafter(
     q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     inter, dv = cfg["intermediate_size"], cfg["draft_vocab_size"]
     w = WeightWriter(seed, DTYPES[dtype])
-    n_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
-    w.linear("fc", h, n_aux * cfg["target_hidden_size"])
-    m = "midlayer"
-    w.norm(f"{m}.input_layernorm", h)
-    w.norm(f"{m}.hidden_norm", h)
-    w.norm(f"{m}.post_attention_layernorm", h)
+    m = _write_draft_fc_and_norms(w, cfg, h)
     a = f"{m}.self_attn"
     # The draft layer attends over [embeds, hidden]: 2*h inputs.
     if q_lora is None:
