@@ -13,10 +13,12 @@ Why a worker subclass, and what it does
 On the GPU the model runner turns EAGLE-3 aux capture on while loading the
 model (``GPUModelRunner.load_model``, vLLM v0.16.0 gpu_model_runner.py
 ~4189-4207): if ``use_aux_hidden_state_outputs`` (set in ``__init__`` from the
-EAGLE-3 drafter) it checks ``supports_eagle3(self.get_model())``, takes the ids
-from the draft config through ``_get_eagle3_aux_layers_from_config()`` (~4291),
-falls back to ``model.get_eagle3_aux_hidden_state_layers()``, and calls
-``model.set_aux_hidden_state_layers(aux_layers)``. From then on the runner's
+EAGLE-3 drafter) it checks ``supports_eagle3(self.get_model())`` and calls
+``_set_eagle3_aux_layers()`` (added by the series), which takes the ids from
+the draft config (top-level or ``eagle_config``), falls back to
+``model.get_eagle3_aux_hidden_state_layers()``, calls
+``model.set_aux_hidden_state_layers(aux_layers)`` and logs what is captured
+and why. From then on the runner's
 ``execute_model`` unpacks ``(hidden_states, aux_hidden_states)`` from the model
 and keeps the aux states in ``execute_model_state`` for the drafter.
 
@@ -32,7 +34,7 @@ same moment (before warm-up and KV-cache sizing):
   ``ModelConfig``/``EAGLEConfig`` path, including the EAGLE-3 target
   allow-list (wall 1 on stock v0.16.0);
 * ``runner.speculative_config`` holds it only while the runner's own
-  ``_get_eagle3_aux_layers_from_config()`` reads it, so no drafter is ever
+  ``_set_eagle3_aux_layers()`` reads it, so no drafter is ever
   built and the CPU runner never sees a speculative config afterwards;
 * ``supports_eagle3`` / ``get_eagle3_aux_hidden_state_layers`` /
   ``set_aux_hidden_state_layers`` are the model's real methods, and an error
@@ -131,9 +133,7 @@ def load_tiny_checkpoints() -> ModuleType:
 GPU_RUNNER_BLOCK = (
     "if self.use_aux_hidden_state_outputs:",
     "if not supports_eagle3(self.get_model()):",
-    "aux_layers = self._get_eagle3_aux_layers_from_config()",
-    "aux_layers = self.model.get_eagle3_aux_hidden_state_layers()",
-    "self.model.set_aux_hidden_state_layers(aux_layers)",
+    "self._set_eagle3_aux_layers()",
 )
 
 
@@ -178,6 +178,7 @@ def enable_aux_like_gpu_runner(
     import copy
 
     from vllm.config import SpeculativeConfig
+    from vllm.config.speculative import get_eagle3_aux_layer_ids
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     check_gpu_runner_block_unchanged()
@@ -210,16 +211,16 @@ def enable_aux_like_gpu_runner(
     assert runner.speculative_config is None
     runner.speculative_config = spec_config
     try:
-        aux_layers = runner._get_eagle3_aux_layers_from_config()
+        runner._set_eagle3_aux_layers()
     finally:
         runner.speculative_config = None
-    source = "draft config"
-    if not aux_layers:
-        aux_layers = runner.model.get_eagle3_aux_hidden_state_layers()
-        source = "model default"
-    runner.model.set_aux_hidden_state_layers(aux_layers)
     # ---- end of mirror ----
     runner.use_aux_hidden_state_outputs = True
+    # What the model was told, read back from the DeepseekV2Model that
+    # captures (Kimi-K2.5 wraps one as language_model).
+    lm = getattr(runner.model, "language_model", runner.model)
+    aux_layers = lm.model.aux_hidden_state_layers
+    source = "draft config" if get_eagle3_aux_layer_ids(hf_config) else "model default"
     return AuxSetup(tuple(aux_layers), source, list(hf_config.architectures))
 
 

@@ -9,9 +9,9 @@ the engine is started through ``vllm.LLM`` with ``worker_cls`` set to a
 the GPU runner's block (gpu_model_runner.py ~4189-4207) against the real
 runner: the draft config is loaded by vLLM's own ``SpeculativeConfig``
 (method eagle3, so the target allow-list applies), the runner's own
-``_get_eagle3_aux_layers_from_config()`` reads
-``eagle_aux_hidden_state_layer_ids`` from it, and the model's
-``set_aux_hidden_state_layers()`` receives the ids, all before warm-up, as on
+``_set_eagle3_aux_layers()`` reads ``eagle_aux_hidden_state_layer_ids`` from
+it, and the model's ``set_aux_hidden_state_layers()`` receives the ids, all
+before warm-up, as on
 a GPU. ``use_aux_hidden_state_outputs`` is then True, as the EAGLE-3 drafter
 would have set it, and the CPU runner's own ``execute_model`` unpacks
 ``(hidden, aux)`` and keeps the aux states for the drafter; the tests read

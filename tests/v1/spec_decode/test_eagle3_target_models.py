@@ -45,6 +45,13 @@ REJECTED = [
 
 def verify(model_type: str, top_level_model_type: str | None = None):
     """Run the real _verify_args for method eagle3 and the given target."""
+    return verify_target(
+        SimpleNamespace(model_type=model_type),
+        SimpleNamespace(model_type=top_level_model_type or model_type),
+    )
+
+
+def verify_target(hf_text_config, hf_config):
     config = object.__new__(SpeculativeConfig)
     fields = {
         "tensor_parallel_size": None,
@@ -53,8 +60,7 @@ def verify(model_type: str, top_level_model_type: str | None = None):
         "disable_by_batch_size": None,
         "method": "eagle3",
         "target_model_config": SimpleNamespace(
-            hf_text_config=SimpleNamespace(model_type=model_type),
-            hf_config=SimpleNamespace(model_type=top_level_model_type or model_type),
+            hf_text_config=hf_text_config, hf_config=hf_config
         ),
     }
     for name, value in fields.items():
@@ -105,6 +111,24 @@ def test_eagle3_family_member_inside_rejected_wrapper_is_not_enough():
             verify(model_type)
     # ...while the exact family names pass (so this test fails on stock).
     assert verify("deepseek_v3").method == "eagle3"
+
+
+@pytest.mark.regression
+def test_eagle3_rejects_deepseek_vl2_whose_text_config_is_deepseek_v2():
+    # vLLM's own DeepSeek-VL2 config: its text config is a deepseek_v2 one, so
+    # matching the text model type would let it through, and the user would
+    # fail later, at model load (DeepseekVLV2ForCausalLM has no aux capture).
+    from vllm.transformers_utils.config import get_hf_text_config
+    from vllm.transformers_utils.configs.deepseek_vl2 import DeepseekVLV2Config
+
+    hf_config = DeepseekVLV2Config()
+    text_config = get_hf_text_config(hf_config)
+    assert (hf_config.model_type, text_config.model_type) == (
+        "deepseek_vl_v2",
+        "deepseek_v2",
+    )
+    with pytest.raises(ValueError, match="Eagle3 is only supported for"):
+        verify_target(text_config, hf_config)
 
 
 # ------------------------------------------------- full SpeculativeConfig

@@ -168,7 +168,7 @@ def test_default_aux_layers(pp_group, num_layers, expected):
 
 
 @pytest.mark.parametrize(
-    "layers", [(2, 30, 58), [1, 29, 57], (0, 61), (61,), (58, 2, 30)]
+    "layers", [(2, 30, 58), [1, 29, 57], (0, 61), (61,)]
 )
 def test_set_aux_layers_accepts_valid_ids(pp_group, layers):
     lm = make_causal_lm(num_layers=61)
@@ -202,6 +202,20 @@ def test_set_aux_layers_rejects_duplicates(pp_group):
     lm = make_causal_lm(num_layers=61)
     with pytest.raises(ValueError, match=r"duplicate ids \[30\]"):
         lm.set_aux_hidden_state_layers((2, 30, 30))
+
+
+@pytest.mark.parametrize("layers", [(58, 2, 30), [30, 2, 58], (61, 0)])
+def test_set_aux_layers_rejects_unsorted_ids(pp_group, layers):
+    # The forward returns states in layer order, so unsorted ids would hand
+    # the drafter's fc its inputs permuted.
+    lm = make_causal_lm(num_layers=61)
+    with pytest.raises(ValueError) as exc_info:
+        lm.set_aux_hidden_state_layers(layers)
+    msg = str(exc_info.value)
+    assert "not in ascending order" in msg
+    assert str(sorted(layers)) in msg
+    assert "eagle_aux_hidden_state_layer_ids" in msg
+    assert lm.model.aux_hidden_state_layers == ()
 
 
 def test_set_aux_layers_rejects_non_sequence(pp_group):
