@@ -210,6 +210,9 @@ def build(pin: Pin, *, arch: str, cpu: bool, offline: bool, series: Path,
     new_version = stack_version(pin, cpu=cpu, series=series)
     stage = REPO_ROOT / "build" / "stage" / key
     patched = stage_patched(sdist, series, stage)
+    # Only the package ships; the series' changes to upstream's tests/ travel
+    # with the patches, not in the wheel.
+    patched = {p: data for p, data in patched.items() if p.startswith("vllm/")}
     with zipfile.ZipFile(wheel) as zw:
         shipped = set(zw.namelist())
         for path in patched:

@@ -337,7 +337,12 @@ def assert_loaded(model, ckpt: dict[str, torch.Tensor], fused: bool) -> None:
 def test_registry_resolves_mla_drafter_names(cpu_env):
     from vllm.model_executor.models.registry import ModelRegistry
 
-    for arch in ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM"):
+    # DeepseekV3ForCausalLMEagle3: SpecForge's DeepSeek-R1 MLA drafter.
+    for arch in (
+        "Eagle3DeepseekV2ForCausalLM",
+        "Eagle3DeepseekV3ForCausalLM",
+        "DeepseekV3ForCausalLMEagle3",
+    ):
         assert arch in ModelRegistry.get_supported_archs()
         cls = ModelRegistry._try_load_model_cls(arch)
         assert cls is not None and cls.__name__ == "Eagle3DeepseekV2ForCausalLM"
@@ -476,6 +481,72 @@ def test_fc_width_follows_the_aux_layer_ids(cpu_env, model_dirs):
     ckpt = checkpoint()
     with pytest.raises(ValueError, match=r"fc\.weight.*\(128, 256\)"):
         model.load_weights(iter(ckpt.items()))
+
+
+def test_fc_width_follows_nested_aux_layer_ids(cpu_env, model_dirs):
+    # SGLang, SpecForge and TorchSpec keep the ids in eagle_config only.
+    config = {k: v for k, v in DRAFT.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    draft = model_dirs.write(
+        "draft_nested_aux",
+        **config,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 4, 6]},
+    )
+    model = build_drafter(cpu_env, model_dirs, draft=draft)
+    assert model.model.fc.weight.shape == (HIDDEN, 4 * HIDDEN)
+
+
+def test_llama_drafter_loads_and_applies_eagle31_fc_norm(cpu_env, model_dirs):
+    """The Llama-architecture drafter with EAGLE-3.1's fc_norm: the
+    checkpoint's fc_norm.<i>.weight load, and combine_hidden_states normalises
+    each captured state before fc."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    draft = model_dirs.write(
+        "draft_llama_eagle31",
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        intermediate_size=INTER,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        draft_vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        torch_dtype="float32",
+        fc_norm=True,
+        norm_output=True,
+    )
+    model = build_drafter(cpu_env, model_dirs, draft=draft)
+    assert model.model.norm_output is True
+    g = torch.Generator().manual_seed(7)
+    ckpt = {
+        name: 1.0 + 0.1 * torch.randn(param.shape, generator=g)
+        for name, param in model.named_parameters()
+    }
+    # Checkpoint names: no "model." prefix, q/k/v and gate/up unfused.
+    ckpt = {k.removeprefix("model."): v for k, v in ckpt.items()}
+    L = "layers.0."
+    qkv = ckpt.pop(L + "self_attn.qkv_proj.weight")
+    for part, t in zip(("q", "k", "v"), qkv.split(HIDDEN)):
+        ckpt[f"{L}self_attn.{part}_proj.weight"] = t
+    gate, up = ckpt.pop(L + "mlp.gate_up_proj.weight").split(INTER)
+    ckpt[L + "mlp.gate_proj.weight"], ckpt[L + "mlp.up_proj.weight"] = gate, up
+    del ckpt["draft_id_to_target_id"]
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(ckpt)
+    model.load_weights(iter(ckpt.items()))
+    model_config = SimpleNamespace(dtype=torch.float32, quantization=None)
+    process_weights_after_loading(model, model_config, torch.device("cpu"))
+
+    aux = torch.randn(5, 3 * HIDDEN, generator=g)
+    normed = torch.cat(
+        [_rms(c, ckpt[f"fc_norm.{i}.weight"]) for i, c in enumerate(aux.split(HIDDEN, -1))],
+        dim=-1,
+    )
+    torch.testing.assert_close(
+        model.combine_hidden_states(aux), normed @ ckpt["fc.weight"].T
+    )
 
 
 def test_mla_geometry_must_match_the_target(cpu_env, model_dirs):
@@ -629,7 +700,8 @@ class _CausalAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(T, self.heads * self.head_dim)
 
 
-def test_draft_step_matches_a_reference(cpu_env, model_dirs):
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
+def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31):
     """The draft layer's forward (MLA off) equals the EAGLE-3 MLA draft step
     written out by hand: [input_layernorm(embeds), hidden_norm(fused)] into
     the MLA projections, interleaved rope, causal attention, residual = the
@@ -638,16 +710,25 @@ def test_draft_step_matches_a_reference(cpu_env, model_dirs):
     (custom_ops none), since v0.16.0's CPU rotary kernel mis-rotates the
     strided 3-D q_pe view DeepseekV2Attention passes it (a stock CPU-kernel
     bug unrelated to EAGLE-3); the paged attention layer is replaced by plain
-    causal attention."""
+    causal attention. EAGLE-3.1 (fc_norm, norm_output): each captured state
+    is RMS-normed with its own fc_norm weight before fc, and the normed
+    output, not the pre-norm one, is returned for the next step."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     # (cpu_env gives this test an empty get_rope() cache, so the rotary
     # module is built here, with custom_ops none.)
-    model = build_drafter(cpu_env, model_dirs, custom_ops=["none"])
+    draft = None
     ckpt = checkpoint(seed=4)
-    model.load_weights(iter(ckpt.items()))
+    if eagle31:
+        draft = model_dirs.write("draft_eagle31", **DRAFT, fc_norm=True, norm_output=True)
+        g = torch.Generator().manual_seed(6)
+        fc_in = [1.0 + 0.2 * torch.randn(HIDDEN, generator=g) for _ in AUX_IDS]
+        ckpt.update({f"fc_norm.{i}.weight": w for i, w in enumerate(fc_in)})
+    model = build_drafter(cpu_env, model_dirs, draft=draft, custom_ops=["none"])
+    loaded = model.load_weights(iter(ckpt.items()))
+    assert loaded == {name for name, _ in model.named_parameters()}
     model_config = SimpleNamespace(dtype=torch.float32, quantization=None)
     process_weights_after_loading(model, model_config, torch.device("cpu"))
     attn = model.model.layers[0].self_attn
@@ -663,8 +744,14 @@ def test_draft_step_matches_a_reference(cpu_env, model_dirs):
     ):
         fused = model.combine_hidden_states(aux)
         out, prenorm = model(ids, pos, fused)
+    fc_input = aux
+    if eagle31:
+        chunks = aux.split(HIDDEN, dim=-1)
+        fc_input = torch.cat([_rms(c, w) for c, w in zip(chunks, fc_in)], dim=-1)
     ref_out, ref_prenorm = reference_draft_step(
-        ckpt, ids, pos, aux @ ckpt["fc.weight"].T, ckpt["embed_tokens.weight"]
+        ckpt, ids, pos, fc_input @ ckpt["fc.weight"].T, ckpt["embed_tokens.weight"]
     )
-    torch.testing.assert_close(prenorm, ref_prenorm, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    # What the proposer feeds into the next draft step.
+    fed_back = ref_out if eagle31 else ref_prenorm
+    torch.testing.assert_close(prenorm, fed_back, rtol=1e-4, atol=1e-4)

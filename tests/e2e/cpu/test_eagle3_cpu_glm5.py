@@ -1,90 +1,154 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GLM-5 (glm_moe_dsa, GlmMoeDsaForCausalLM) on the vLLM v0.16.0 CPU engine.
+"""GLM-5 (glm_moe_dsa, GlmMoeDsaForCausalLM) with an EAGLE-3 drafter, as far
+as the v0.16.0 engine gets on CPU.
 
-GLM-5 cannot be served by this engine on CPU, for reasons that have nothing
-to do with EAGLE-3; this test finds that out by really trying, and skips with
-the exact failure (the GPU issue covers GLM-5):
+The target is GLM-5's published config.json (78 layers; copied verbatim in
+tests/transformers_utils/data, provenance there). Everything up to the model's
+forward runs for real: the engine config (EngineArgs.create_engine_config:
+target config, registry, speculative config with the drafter), then what
+the model runner does at load time for EAGLE-3 (its choice of aux layers
+from the draft config, supports_eagle3, set_aux_hidden_state_layers) on the
+class the registry resolved, carrying GLM-5's config.
 
-1. transformers 4.57 (what vLLM 0.16 runs with) does not know model type
-   ``glm_moe_dsa`` and vLLM 0.16 registers no config class for it, so a
-   checkpoint in GLM-5's own format fails at config loading.
-2. With the config class supplied as checkpoint code (``auto_map``,
-   ``trust_remote_code``), model construction fails: GLM-5's DSA sparse
-   attention indexer exists only in ``DeepseekV2MLAAttention``, which the CPU
-   platform refuses ("MLA is not supported on CPU"), while the non-MLA
-   ``DeepseekV2Attention`` asserts that no ``topk_indices_buffer`` (allocated
-   for any config with ``index_topk``) is passed.
-
-If a probe starts an engine, the skip reason is stale and the test fails so
-that someone replaces it with a real aux-state check.
+The forward itself cannot run here: GLM-5's DSA sparse-attention indexer
+exists only in the MLA attention path, which the CPU platform refuses ("MLA
+is not supported on CPU"). The aux states of a GLM-5 forward are checked in
+the GPU suite (tests/e2e/gpu).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+import json
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.e2e
 
+GLM5 = (
+    Path(__file__).resolve().parents[2] / "transformers_utils" / "data" / "zai-org--GLM-5"
+)
+GLM5_CONFIG = json.loads((GLM5 / "config.json").read_text())
+LAYERS = GLM5_CONFIG["num_hidden_layers"]
+# Drafters by the aux ids their config.json names (None: the field is absent).
+DRAFT_IDS: dict[str, list[int] | None] = {
+    "explicit": [1, LAYERS // 2, LAYERS],
+    "default": None,
+    "past_the_end": [2, LAYERS // 2, LAYERS + 1],
+}
 
-def _start_failure(harness: ModuleType, **kwargs: Any) -> BaseException | None:
-    try:
-        with harness.running_engine(**kwargs):
-            return None
-    except Exception as exc:  # noqa: BLE001 - classified by the caller
-        return exc
 
-
-def _one_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    return " ".join(text.split())[:300]
-
-
-def test_glm5_aux_states_on_cpu_engine(
-    harness: ModuleType, tiny_ckpts: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import transformers
-
-    reasons: list[str] = []
-    # Probe 1: the checkpoint as GLM-5 ships it.
-    exc = _start_failure(
-        harness,
-        **harness.engine_kwargs(tiny_ckpts["glm5"], draft=tiny_ckpts["draft_glm5"]),
+def _llama_drafter(path: Path, aux_ids: list[int] | None) -> str:
+    """An EAGLE-3 drafter config for GLM-5 (Llama-architecture head, the
+    common published kind): the target's hidden size and vocabulary."""
+    config: dict[str, Any] = dict(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        hidden_size=GLM5_CONFIG["hidden_size"],
+        intermediate_size=16384,
+        num_hidden_layers=1,
+        num_attention_heads=48,
+        num_key_value_heads=8,
+        vocab_size=GLM5_CONFIG["vocab_size"],
+        draft_vocab_size=32000,
+        max_position_embeddings=GLM5_CONFIG["max_position_embeddings"],
+        rms_norm_eps=1e-5,
+        torch_dtype="bfloat16",
     )
-    if exc is None:
-        pytest.fail("GLM-5 now starts on the CPU engine: replace this skip with a real check")
-    assert "glm_moe_dsa" in str(exc), _one_line(exc)
-    reasons.append(
-        f"transformers {transformers.__version__} cannot load its config "
-        f"({_one_line(exc)[:160]})"
-    )
+    if aux_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
 
-    # Probe 2: config class from the checkpoint; MLA off (as the CPU needs) ...
-    kwargs = harness.engine_kwargs(
-        tiny_ckpts["glm5_remote_config"],
-        draft=tiny_ckpts["draft_glm5"],
-        trust_remote_code=True,
-    )
-    exc = _start_failure(harness, **kwargs)
-    if exc is None:
-        pytest.fail("GLM-5 now starts on the CPU engine: replace this skip with a real check")
-    assert "topk_indices_buffer" in str(exc), _one_line(exc)
-    reasons.append(
-        "with the config supplied as checkpoint code and VLLM_MLA_DISABLE=1, "
-        f"model construction fails ({_one_line(exc)}): the DSA indexer exists "
-        "only in the MLA attention path"
-    )
-    # ... and MLA on (the only path with the sparse indexer).
-    monkeypatch.setenv("VLLM_MLA_DISABLE", "0")
-    exc = _start_failure(harness, **kwargs)
-    if exc is None:
-        pytest.fail("GLM-5 now starts on the CPU engine: replace this skip with a real check")
-    assert "MLA is not supported on CPU" in str(exc), _one_line(exc)
-    reasons.append(f"with MLA on, {_one_line(exc)}")
 
-    pytest.skip(
-        "GLM-5 (glm_moe_dsa) cannot run on the vLLM 0.16 CPU engine, so its "
-        "EAGLE-3 aux states are covered by the GPU issue: " + "; ".join(reasons)
+@pytest.fixture(scope="module")
+def engine_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    root = tmp_path_factory.mktemp("glm5_drafters")
+    made = {}
+    for name, ids in DRAFT_IDS.items():
+        args = EngineArgs(
+            model=str(GLM5),
+            skip_tokenizer_init=True,
+            max_model_len=4096,
+            speculative_config={
+                "method": "eagle3",
+                "model": _llama_drafter(root / name, ids),
+                "num_speculative_tokens": 3,
+            },
+        )
+        made[name] = args.create_engine_config()
+    return made
+
+
+def test_engine_config_takes_glm5_with_an_eagle3_drafter(engine_configs):
+    from vllm.model_executor.models.deepseek_v2 import GlmMoeDsaForCausalLM
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    vllm_config = engine_configs["explicit"]
+    target = vllm_config.model_config
+    assert type(target.hf_config).__name__ == "GlmMoeDsaConfig"
+    assert target.hf_config.num_hidden_layers == LAYERS == 78
+    assert target.hf_config.index_topk == GLM5_CONFIG["index_topk"]
+    assert target.is_deepseek_mla
+    cls, arch = target.registry.resolve_model_cls(target.architectures, target)
+    assert (cls, arch) == (GlmMoeDsaForCausalLM, "GlmMoeDsaForCausalLM")
+    assert supports_eagle3(cls)
+
+    spec = vllm_config.speculative_config
+    assert spec.method == "eagle3"
+    assert spec.num_speculative_tokens == 3
+    draft = spec.draft_model_config.hf_config
+    assert draft.eagle_aux_hidden_state_layer_ids == DRAFT_IDS["explicit"]
+
+
+def _load_time_aux_setup(vllm_config) -> tuple[Any, tuple[int, ...]]:
+    """What GPUModelRunner.load_model does for EAGLE-3 once the target is
+    built, on the registry's class carrying GLM-5's config (no weights)."""
+    from torch import nn
+
+    from vllm.model_executor.models import deepseek_v2
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    target = vllm_config.model_config
+    cls, _ = target.registry.resolve_model_cls(target.architectures, target)
+    model = object.__new__(cls)
+    nn.Module.__init__(model)
+    model.config = target.hf_config
+    model.model = SimpleNamespace(aux_hidden_state_layers=())
+    assert supports_eagle3(model)
+    runner = SimpleNamespace(
+        speculative_config=vllm_config.speculative_config,
+        model_config=target,
+        model=model,
     )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deepseek_v2, "get_pp_group", lambda: SimpleNamespace(world_size=1))
+        GPUModelRunner._set_eagle3_aux_layers(runner)
+    return model, model.model.aux_hidden_state_layers
+
+
+def test_load_time_uses_the_drafters_aux_ids(engine_configs):
+    model, aux_layers = _load_time_aux_setup(engine_configs["explicit"])
+    assert aux_layers == (1, 39, 78)
+    assert model.model.aux_hidden_state_layers == (1, 39, 78)
+
+
+def test_load_time_default_aux_ids_at_78_layers(engine_configs):
+    model, aux_layers = _load_time_aux_setup(engine_configs["default"])
+    assert aux_layers == (2, 39, 75)
+    assert model.model.aux_hidden_state_layers == (2, 39, 75)
+
+
+def test_load_time_refuses_an_aux_id_past_78_layers(engine_configs):
+    with pytest.raises(ValueError) as exc_info:
+        _load_time_aux_setup(engine_configs["past_the_end"])
+    msg = str(exc_info.value)
+    assert "invalid ids [79]" in msg
+    assert "[0, 78]" in msg
+    assert "eagle_aux_hidden_state_layer_ids" in msg

@@ -209,6 +209,7 @@ def test_proposer_accepts_the_mla_drafter():
     inner = nn.Module()
     inner.use_aux_hidden_state = True
     inner.fc = nn.Linear(3 * HIDDEN, HIDDEN, bias=False)
+    inner.fc_norm = None  # not an EAGLE-3.1 drafter
     drafter.model = inner
     aux = torch.randn(5, 3 * HIDDEN)
     fused = _propose_until_first_pass(drafter, aux)

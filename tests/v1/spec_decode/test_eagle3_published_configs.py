@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Published EAGLE-3 drafter configs for DeepSeek and Kimi targets.
+
+The config.json files under published_configs/ are copied verbatim from the
+trainers' repositories (SpecForge, TorchSpec) and from a vendored copy of
+DeepSeek-R1-0528's config; PROVENANCE.md gives repository, path and commit
+for each. For every drafter this checks what vLLM makes of it: that
+SpeculativeConfig accepts it for its target, the drafter class it resolves
+to, its vocabulary, hidden size and aux-state count, and the target layer
+ids vLLM captures for it (and from which field).
+
+The ids are checked in vLLM's numbering, as vLLM reads them. Most of these
+trainers number layers by their output (a config id k is vLLM id k + 1):
+see the README's table and tools/eagle3_layers.py, which converts them.
+
+No verbatim Kimi-K2 or Kimi-K2.5 target config.json could be found in a
+citable source, so the Kimi drafters are paired with a Kimi-K2.5 target
+config written here with the published geometry (61 layers, hidden 7168,
+64 heads, MLA 512 + 64, vocabulary 163840) in vLLM's own KimiK25Config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+from vllm.config.speculative import get_eagle3_aux_layer_ids
+from vllm.model_executor.models.registry import ModelRegistry
+
+CONFIGS = Path(__file__).parent / "published_configs"
+DEEPSEEK_R1 = CONFIGS / "deepseek-r1-0528-target-ttmetal"
+NESTED = "eagle_config.eagle_aux_hidden_state_layer_ids"
+DEFAULT = "target default"
+
+# drafter: (target, class, draft vocab, hidden, aux count, ids vLLM uses, from)
+EXPECTED = {
+    "specforge-deepseek-v3-671b-eagle3": (
+        "deepseek", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (1, 29, 57), NESTED
+    ),
+    "specforge-deepseek-v3-671b-eagle3-pr378": (
+        "deepseek", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (1, 29, 57), NESTED
+    ),
+    "specforge-deepseek-r1-671b-eagle3": (
+        "deepseek", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (1, 29, 57), NESTED
+    ),
+    "specforge-deepseek-r1-eagle3-mla": (
+        "deepseek", "Eagle3DeepseekV2ForCausalLM", 32000, 7168, 3, (2, 30, 58),
+        DEFAULT,
+    ),
+    "specforge-kimi-k2-eagle3": (
+        "kimi", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (2, 30, 58), NESTED
+    ),
+    "specforge-kimi-k25-eagle3": (
+        "kimi", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (2, 30, 58), NESTED
+    ),
+    "torchspec-kimi-k25-eagle3": (
+        "kimi", "Eagle3LlamaForCausalLM", None, 7168, 3, (2, 30, 58), DEFAULT
+    ),
+    "torchspec-kimi-k25-eagle3-mla": (
+        "kimi", "Eagle3DeepseekV2ForCausalLM", 163840, 7168, 3, (1, 29, 57), NESTED
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, ModelConfig]:
+    mla_drafter = json.loads(
+        (CONFIGS / "torchspec-kimi-k25-eagle3-mla" / "config.json").read_text()
+    )
+    text = json.loads((DEEPSEEK_R1 / "config.json").read_text())
+    del text["quantization_config"]
+    # Kimi-K2.5's text geometry (the attention fields as its MLA drafter has
+    # them) around DeepSeek-V3's layer structure.
+    for field in (
+        "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
+        "rope_theta", "rope_scaling", "rms_norm_eps",
+    ):
+        text[field] = mla_drafter[field]
+    text.update(n_routed_experts=384, n_group=1, topk_group=1)
+    kimi = tmp_path_factory.mktemp("kimi_k25_target")
+    (kimi / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "model_type": "kimi_k25",
+                "media_placeholder_token_id": 163605,
+                "text_config": text,
+            }
+        )
+    )
+    return {
+        name: ModelConfig(
+            model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
+            dtype="bfloat16", trust_remote_code=False,
+        )
+        for name, path in (("deepseek", DEEPSEEK_R1), ("kimi", kimi))
+    }
+
+
+def test_the_deepseek_target_is_the_published_file(targets):
+    text = targets["deepseek"].hf_text_config
+    assert text.model_type == "deepseek_v3"
+    assert (text.num_hidden_layers, text.hidden_size) == (61, 7168)
+    assert targets["deepseek"].quantization == "fp8"
+    assert targets["kimi"].hf_config.model_type == "kimi_k25"
+
+
+@pytest.mark.parametrize("drafter", sorted(EXPECTED))
+def test_published_drafter(targets, drafter):
+    target, cls_name, draft_vocab, hidden, n_aux, ids, source = EXPECTED[drafter]
+    spec = SpeculativeConfig(
+        method="eagle3",
+        model=str(CONFIGS / drafter),
+        num_speculative_tokens=3,
+        target_model_config=targets[target],
+        target_parallel_config=ParallelConfig(),
+    )
+    draft = spec.draft_model_config
+    cls, _ = ModelRegistry.resolve_model_cls(draft.architectures, draft)
+    assert cls.__name__ == cls_name
+    hf = draft.hf_config
+    assert getattr(hf, "draft_vocab_size", None) == draft_vocab
+    assert hf.hidden_size == hidden == targets[target].get_hidden_size()
+
+    found = get_eagle3_aux_layer_ids(hf)
+    if source == DEFAULT:
+        assert found is None
+        n = targets[target].hf_text_config.num_hidden_layers
+        used = (2, n // 2, n - 3)  # DeepseekV2ForCausalLM's default
+    else:
+        used, field = found
+        assert field == source
+    assert used == ids
+    assert len(used) == n_aux
+
+
+def test_eagle31_flags_survive_vllm_config_loading():
+    # SpecForge's only published EAGLE-3.1 drafter config (for Qwen3).
+    from vllm.transformers_utils.config import get_config
+
+    hf = get_config(str(CONFIGS / "specforge-qwen3-30b-a3b-eagle3.1"), False)
+    assert (hf.fc_norm, hf.norm_output) == (True, True)
