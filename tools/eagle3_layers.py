@@ -191,6 +191,9 @@ def show(drafter: Path, target: Path | None) -> list[str]:
         bad = [k for k in ids if not 0 <= k <= n]
         if bad:
             out.append(f"ids {bad} are outside [0, {n}]: the engine refuses them at start")
+    if list(ids) != sorted(set(ids)):
+        out.append(f"ids {list(ids)} are not strictly ascending: the engine refuses them at "
+                   "start (the states come back in layer order, so fc would get them permuted)")
     out.append("A drafter trained on the output of layer k (SGLang, SpecForge, speculators "
                "data generation) needs vLLM id k + 1: see `convert --from output-of-layer`.")
     return out

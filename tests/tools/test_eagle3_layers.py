@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,13 @@ def test_show_flags_ids_past_the_target(tmp_path: Path,
     out = show(capsys, drafter_dir(tmp_path, "d", top=[1, 3, 7]),
                "--target", target_dir(tmp_path, 6))
     assert "ids [7] are outside [0, 6]" in out
+
+
+def test_show_flags_unsorted_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = show(capsys, drafter_dir(tmp_path, "d", nested=[58, 2, 30]))
+    assert "ids [58, 2, 30] are not strictly ascending" in out
+    out = show(capsys, drafter_dir(tmp_path, "e", nested=[2, 30, 58]))
+    assert "ascending" not in out
 
 
 def test_show_without_the_series_says_so(tmp_path: Path,
@@ -290,3 +298,52 @@ def test_convert_cli_error_is_one_line(tmp_path: Path) -> None:
     assert proc.stderr.startswith("[eagle3-layers] error: ")
     assert "config.json does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# Published configs (tests/v1/spec_decode/published_configs: repository, path
+# and commit of each in its PROVENANCE.md). SpecForge keeps its ids nested and
+# counts layer outputs.
+# ---------------------------------------------------------------------------
+
+PUBLISHED = Path(__file__).resolve().parents[1] / "v1" / "spec_decode" / "published_configs"
+
+
+def published(tmp: Path, name: str) -> Path:
+    d = tmp / name
+    d.mkdir()
+    shutil.copyfile(PUBLISHED / name / "config.json", d / "config.json")
+    return d
+
+
+def test_published_specforge_deepseek_v3_drafter(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Nested [1, 29, 57]; the target is the vendored DeepSeek-R1-0528 config
+    # (61 layers).
+    d = published(tmp_path, "specforge-deepseek-v3-671b-eagle3")
+    target = PUBLISHED / "deepseek-r1-0528-target-ttmetal"
+    out = show(capsys, d, "--target", target)
+    assert "aux ids: [1, 29, 57]" in out
+    assert "source: nested eagle_config.eagle_aux_hidden_state_layer_ids" in out
+    # What vLLM would feed as read: one layer early.
+    assert "equivalently: output of layer 0, output of layer 28, output of layer 56" in out
+    before = json.loads((d / "config.json").read_text())
+    eagle3_layers.main(["convert", str(d), "--from", "output-of-layer", "--target", str(target)])
+    capsys.readouterr()
+    new = json.loads((d / "config.json").read_text())
+    assert new[TOP] == new["eagle_config"][TOP] == [2, 30, 58]
+    assert {k: v for k, v in new.items() if k not in (TOP, "eagle_config")} == {
+        k: v for k, v in before.items() if k != "eagle_config"}
+    out = show(capsys, d, "--target", target)
+    assert "aux ids: [2, 30, 58]  (source: top-level eagle_aux_hidden_state_layer_ids)" in out
+    assert "equivalently: output of layer 1, output of layer 29, output of layer 57" in out
+
+
+def test_published_specforge_kimi_k25_drafter(tmp_path: Path) -> None:
+    d = published(tmp_path, "specforge-kimi-k25-eagle3")
+    out = tmp_path / "vllm"
+    eagle3_layers.main(["convert", str(d), "--from", "output-of-layer", "--out", str(out)])
+    new = json.loads((out / "config.json").read_text())
+    assert new[TOP] == new["eagle_config"][TOP] == [3, 31, 59]
+    assert (d / "config.json").read_bytes() == (
+        PUBLISHED / "specforge-kimi-k25-eagle3" / "config.json").read_bytes()
