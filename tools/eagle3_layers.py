@@ -123,9 +123,10 @@ def _series_reader() -> Any:
                 "Python of the environment that serves the drafter"
             ) from None
         raise StackError(
-            f"the installed vLLM ({version}) has no get_eagle3_aux_layer_ids: the EAGLE-3 "
-            "series is not installed, and this tool cannot say what that vLLM captures. "
-            "Install the series' wheel (./build.sh) and run show again"
+            f"the installed vLLM ({version}) has no get_eagle3_aux_layer_ids: it is stock "
+            "vLLM or a build from before the EAGLE-3 series read nested ids, so this tool "
+            "cannot say what it captures. Install the current series' wheel (./build.sh) "
+            "and run show again"
         ) from None
     return get_eagle3_aux_layer_ids
 

@@ -144,7 +144,7 @@ def test_show_without_the_series_says_so(tmp_path: Path,
         eagle3_layers.main(["show", str(drafter_dir(tmp_path, "d", top=[1, 3, 6]))])
     msg = str(err.value)
     assert "no get_eagle3_aux_layer_ids" in msg
-    assert "series is not installed" in msg
+    assert "stock vLLM or a build from before the EAGLE-3 series" in msg
 
 
 # ---------------------------------------------------------------------------
