@@ -1,491 +1,234 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Tell whether EAGLE-3 will work for DeepSeek-family targets in the vLLM
-that this Python imports.
+"""Does the vLLM this Python imports carry the EAGLE-3 series? One line per patch.
 
-For each architecture of the family it prints one line, OK or FAIL, covering
-the three walls a user hits on stock vLLM v0.16.0:
+    python tools/doctor.py                       every patch: ok or MISSING
+    python tools/doctor.py --drafter DIR [--target DIR]
+                                                 and what vLLM will capture for
+                                                 that drafter (tools/eagle3_layers)
 
-  wall 1  config allow-list: SpeculativeConfig refuses method "eagle3" for
-          the architecture's model types (checked with the real validator);
-  wall 2  model interface: SupportsEagle3 missing from the MRO, or
-          DeepseekV2Model.forward does not capture aux hidden states
-          (checked by running the real forward on stand-in decoder layers);
-  wall 3  Kimi-K2.5 image token: KimiK25Config has no image_token_index, which
-          the EAGLE proposer reads for a multimodal target.
-
-Exit status: 0 when every architecture is OK, 1 when any wall remains, 2
-when vLLM cannot be imported at all. Nothing is downloaded and no GPU is
-needed; the report goes to stdout, vLLM's own logging to stderr.
+Each check asks vLLM itself (its registry, SpeculativeConfig, config classes,
+interfaces) about the behaviour one patch adds; nothing is downloaded and no
+GPU is needed. Exit status: 0 when every patch is present, 1 otherwise, 2 when
+vLLM cannot be imported.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import inspect
+import json
 import os
 import sys
-import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
-from typing import Any
+from types import SimpleNamespace
 
-# (architecture, model types this stack enables EAGLE-3 for on it). The
-# model types are (text model type, top-level model type) pairs as
-# ModelConfig reports them: Kimi-K2.5's text config is a DeepseekV3Config.
-ARCHITECTURES: dict[str, list[tuple[str, str]]] = {
-    "DeepseekV2ForCausalLM": [("deepseek_v2", "deepseek_v2")],
-    # DeepSeek-V1 (model type "deepseek") is served by this class; the stack
-    # gives it the interface through inheritance but enables no model type.
-    "DeepseekForCausalLM": [],
-    "DeepseekV3ForCausalLM": [
-        ("deepseek_v3", "deepseek_v3"),
-        ("deepseek_v32", "deepseek_v32"),
-        ("kimi_k2", "kimi_k2"),
-    ],
-    "GlmMoeDsaForCausalLM": [("glm_moe_dsa", "glm_moe_dsa")],
-    "KimiK25ForConditionalGeneration": [
-        ("deepseek_v3", "kimi_k25"),
-        ("kimi_k25", "kimi_k25"),
-    ],
-}
-KIMI_ARCH = "KimiK25ForConditionalGeneration"
-KIMI_DEFAULT_MEDIA_TOKEN = 163605
-HIDDEN = 8
-NUM_LAYERS = 6  # stand-in target depth for the functional check
+CHECKS: list[tuple[str, Callable[[], str]]] = []
 
 
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    wall: int | None = None  # which of the three walls a failure is
+def check(patch: str):
+    def register(fn: Callable[[], str]) -> Callable[[], str]:
+        CHECKS.append((patch, fn))
+        return fn
 
-    def render(self) -> str:
-        if self.ok:
-            return f"{self.name}=ok" + (f"({self.detail})" if self.detail else "")
-        return f"{self.name}=FAIL({self.detail}) [wall {self.wall}]"
+    return register
 
 
-@dataclass
-class ArchReport:
-    arch: str
-    enabled_types: bool = True  # False: a base class with no model type enabled
-    checks: list[Check] = field(default_factory=list)
+def _speculative_config_accepts(model_type: str, top_level: str | None = None) -> bool:
+    from vllm.config import SpeculativeConfig
 
-    @property
-    def ok(self) -> bool:
-        return all(check.ok for check in self.checks)
-
-    def line(self, width: int) -> str:
-        status = "OK  " if self.ok else "FAIL"
-        if not self.ok:
-            verdict = "EAGLE-3 blocked"
-        elif self.enabled_types:
-            verdict = "EAGLE-3 will work"
-        else:
-            verdict = "EAGLE-3 support in place (no model type enabled)"
-        details = "; ".join(check.render() for check in self.checks)
-        return f"{status} {self.arch:<{width}} {verdict}: {details}"
-
-
-def _short(exc: BaseException, limit: int = 160) -> str:
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _guarded(name: str, wall: int, fn: Callable[[], Check]) -> Check:
-    """Run one check; an unexpected exception is a failed check, not a crash."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - report, never crash
-        if os.environ.get("EAGLE3_DOCTOR_DEBUG"):
-            traceback.print_exc()
-        return Check(name, False, f"check raised {_short(exc)}", wall)
-
-
-# ------------------------------------------------------------------ wall 1
-
-
-def check_allow_list(model_types: list[tuple[str, str]]) -> Check:
-    from vllm.config.speculative import SpeculativeConfig
-
-    if not model_types:
-        return Check(
-            "allow-list",
-            True,
-            "no target model type of its own; DeepSeek-V1 'deepseek' is "
-            "not enabled by this stack",
-        )
-    rejected: list[str] = []
-    for text_type, top_type in model_types:
-        config = object.__new__(SpeculativeConfig)
-        fields: dict[str, Any] = {
-            "tensor_parallel_size": None,
-            "num_speculative_tokens": 3,
-            "draft_model_config": None,
-            "disable_by_batch_size": None,
-            "method": "eagle3",
-            "target_model_config": SimpleNamespace(
-                hf_text_config=SimpleNamespace(model_type=text_type),
-                hf_config=SimpleNamespace(model_type=top_type),
-            ),
-        }
-        for name, value in fields.items():
-            object.__setattr__(config, name, value)
-        label = text_type if text_type == top_type else f"{top_type}/{text_type}"
-        try:
-            SpeculativeConfig._verify_args(config)
-        except ValueError:
-            rejected.append(label)
-    accepted = sorted({t for t, top in model_types} | {top for _, top in model_types})
-    if rejected:
-        return Check("allow-list", False, "rejects " + ",".join(rejected), 1)
-    return Check("allow-list", True, ",".join(accepted))
-
-
-# ------------------------------------------------------------------ wall 2
-
-
-def check_interface(cls: type) -> Check:
-    from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
-
-    missing: list[str] = []
-    if SupportsEagle3 not in cls.__mro__:
-        missing.append("SupportsEagle3 not in MRO")
-    if not supports_eagle3(cls):
-        missing.append("supports_eagle3() is False")
-    for method in ("set_aux_hidden_state_layers", "get_eagle3_aux_hidden_state_layers"):
-        if not callable(getattr(cls, method, None)):
-            missing.append(f"no {method}()")
-    if missing:
-        return Check("interface", False, ", ".join(missing), 2)
-    return Check("interface", True, "")
-
-
-def _stand_in_modules() -> tuple[type, type]:
-    import torch
-    from torch import nn
-
-    class RecorderLayer(nn.Module):
-        """The decoder layer's residual-stream contract, deterministically."""
-
-        def __init__(self, idx: int) -> None:
-            super().__init__()
-            self.idx = idx
-            self.inputs: list[torch.Tensor] = []
-
-        def forward(
-            self,
-            positions: torch.Tensor,
-            hidden_states: torch.Tensor,
-            residual: torch.Tensor | None,
-            llama_4_scaling: torch.Tensor | None = None,
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            stream = hidden_states if residual is None else hidden_states + residual
-            self.inputs.append(stream.clone())
-            return torch.tanh(stream * (0.5 + 0.1 * self.idx)), stream
-
-    class RecorderNorm(nn.Module):
-        """Fused add + norm stand-in; records its (pre-norm) input stream."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.inputs: list[torch.Tensor] = []
-
-        def forward(
-            self, hidden_states: torch.Tensor, residual: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            stream = hidden_states + residual
-            self.inputs.append(stream.clone())
-            return stream * 0.5, stream
-
-    return RecorderLayer, RecorderNorm
-
-
-@contextlib.contextmanager
-def _pipeline(module: ModuleType, world_size: int, rank: int) -> Iterator[None]:
-    """Stand in for vLLM's pipeline-parallel group inside deepseek_v2."""
-    group = SimpleNamespace(
-        world_size=world_size,
-        rank_in_group=rank,
-        is_first_rank=rank == 0,
-        is_last_rank=rank == world_size - 1,
+    config = object.__new__(SpeculativeConfig)
+    target = SimpleNamespace(
+        hf_text_config=SimpleNamespace(model_type=model_type),
+        hf_config=SimpleNamespace(model_type=top_level or model_type),
     )
-    saved = module.get_pp_group
-    module.get_pp_group = lambda: group
+    for name, value in dict(
+        tensor_parallel_size=None, num_speculative_tokens=3, draft_model_config=None,
+        disable_by_batch_size=None, method="eagle3", target_model_config=target,
+    ).items():
+        object.__setattr__(config, name, value)
     try:
-        yield
-    finally:
-        module.get_pp_group = saved
+        config._verify_args()
+    except ValueError:
+        return False
+    return True
 
 
-def _make_inner_model(dsv2: ModuleType, start: int, end: int) -> Any:
-    """A DeepseekV2Model holding layers [start, end), without its __init__."""
-    import torch
-    from torch import nn
+def _resolve(arch: str) -> type:
+    from vllm.model_executor.models.registry import ModelRegistry
 
-    from vllm.model_executor.models.utils import PPMissingLayer
-
-    recorder_cls, norm_cls = _stand_in_modules()
-    torch.manual_seed(0)
-    model = object.__new__(dsv2.DeepseekV2Model)
-    nn.Module.__init__(model)
-    model.config = SimpleNamespace(num_hidden_layers=NUM_LAYERS)
-    model.embed_tokens = nn.Embedding(16, HIDDEN) if start == 0 else PPMissingLayer()
-    model.start_layer, model.end_layer = start, end
-    model.layers = nn.ModuleList(
-        recorder_cls(i) if start <= i < end else PPMissingLayer()
-        for i in range(NUM_LAYERS)
-    )
-    model.norm = norm_cls() if end == NUM_LAYERS else PPMissingLayer()
-    model.do_not_compile = True  # plain forward, no torch.compile
-    return model
+    cls = ModelRegistry._try_load_model_cls(arch)
+    if cls is None:
+        raise LookupError(f"{arch} is not registered")
+    return cls
 
 
-def _make_target(dsv2: ModuleType, arch: str, inner: Any) -> Any:
-    """The architecture's own class around the stand-in inner model."""
-    from torch import nn
+@check("Spec-Decode-Read-EAGLE-3-aux-layer-ids-from-eagle_co")
+def nested_ids() -> str:
+    from transformers import LlamaConfig
 
-    text_cls = getattr(dsv2, "DeepseekV3ForCausalLM" if arch == KIMI_ARCH else arch)
-    text = object.__new__(text_cls)
-    nn.Module.__init__(text)
-    text.config = SimpleNamespace(num_hidden_layers=NUM_LAYERS)
-    text.model = inner
-    if arch != KIMI_ARCH:
-        return text
-    from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
+    from vllm.config.speculative import get_eagle3_aux_layer_ids
 
-    kimi = object.__new__(KimiK25ForConditionalGeneration)
-    nn.Module.__init__(kimi)
-    kimi.language_model = text
-    return kimi
+    config = LlamaConfig(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]})
+    ids, field = get_eagle3_aux_layer_ids(config)
+    assert ids == (2, 30, 58), ids
+    return f"reads {field}"
 
 
-def _clear(model: Any) -> None:
-    for module in model.modules():
-        if isinstance(getattr(module, "inputs", None), list):
-            module.inputs.clear()
-
-
-def check_aux_capture(arch: str, cls: type) -> Check:
-    """Run the architecture's real forward (and so DeepseekV2Model.forward)
-    on stand-in layers, and compare the aux states with what the layers saw."""
-    import torch
-
-    from vllm.model_executor.models import deepseek_v2 as dsv2
-    from vllm.sequence import IntermediateTensors
-
-    if (
-        arch != KIMI_ARCH
-        and getattr(cls, "model_cls", None) is not dsv2.DeepseekV2Model
-    ):
-        return Check("aux-capture", False, f"model_cls is {cls.model_cls!r}", 2)
-
-    input_ids = torch.tensor([3, 1, 4, 1, 5])
-    positions = torch.arange(5)
-    problems: list[str] = []
-    ids = (0, 3, NUM_LAYERS)
-
-    with _pipeline(dsv2, world_size=1, rank=0):
-        inner = _make_inner_model(dsv2, 0, NUM_LAYERS)
-        target = _make_target(dsv2, arch, inner)
-        plain = target.forward(input_ids, positions)
-        if not isinstance(plain, torch.Tensor):
-            problems.append("output without capture is not a plain tensor")
-        _clear(inner)
-
-        setter = getattr(target, "set_aux_hidden_state_layers", None)
-        if setter is None:
-            problems.append("no set_aux_hidden_state_layers()")
-            inner.aux_hidden_state_layers = ids  # still probe the forward
-        else:
-            setter(ids)
-        out = target.forward(input_ids, positions)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            problems.append("forward returns no aux hidden states")
-        else:
-            hidden, aux = out
-            if not torch.equal(hidden, plain):
-                problems.append("capture changed the output")
-            expected = [
-                ("id 0 (embedding)", inner.embed_tokens(input_ids)),
-                ("id 3 (input of layer 3)", inner.layers[3].inputs[0]),
-                (f"id {NUM_LAYERS} (pre-norm output)", inner.norm.inputs[0]),
-            ]
-            if len(aux) != len(expected):
-                problems.append(f"{len(aux)} aux states for ids {list(ids)}")
-            else:
-                for (what, want), got in zip(expected, aux, strict=True):
-                    if not torch.equal(got, want):
-                        problems.append(f"wrong state for {what}")
-
-        getter = getattr(target, "get_eagle3_aux_hidden_state_layers", None)
-        want_ids = (2, NUM_LAYERS // 2, NUM_LAYERS - 3)
-        if getter is not None and tuple(getter()) != want_ids:
-            problems.append(f"default ids {getter()} != {want_ids}")
-        if setter is not None:
-            for bad in ((2, -1), (2, NUM_LAYERS + 1), (2, True), (2, "3")):
-                try:
-                    setter(bad)
-                except ValueError:
-                    continue
-                problems.append(f"ids {bad!r} not rejected")
-
-    with _pipeline(dsv2, world_size=2, rank=1):
-        if setter is not None:
-            try:
-                setter((2, 3))
-                problems.append("pipeline_parallel_size=2 not refused")
-            except ValueError:
-                pass
-        # The last of two pipeline stages (layers 3..5): ids stay global.
-        stage = _make_inner_model(dsv2, 3, NUM_LAYERS)
-        stage.aux_hidden_state_layers = (4,)
-        torch.manual_seed(1)
-        tensors = IntermediateTensors(
-            {
-                "hidden_states": torch.randn(5, HIDDEN),
-                "residual": torch.randn(5, HIDDEN),
-            }
-        )
-        out = stage.forward(input_ids, positions, tensors)
-        if isinstance(out, tuple) and not (
-            len(out[1]) == 1 and torch.equal(out[1][0], stage.layers[4].inputs[0])
-        ):
-            problems.append("layer ids are not global under a pipeline split")
-
-    if problems:
-        return Check("aux-capture", False, "; ".join(problems), 2)
-    return Check("aux-capture", True, "")
-
-
-# ------------------------------------------------------------------ wall 3
-
-
-def check_image_token(arch: str) -> Check:
-    if arch != KIMI_ARCH:
-        return Check("image-token", True, "n/a")
+@check("Config-Expose-image_token_index-on-KimiK25Config")
+def image_token() -> str:
     from vllm.transformers_utils.configs import KimiK25Config
 
-    default = KimiK25Config()
-    custom = KimiK25Config(media_placeholder_token_id=KIMI_DEFAULT_MEDIA_TOKEN + 7)
-    try:
-        # What EagleProposer.load_model reads for a multimodal target.
-        got = (default.image_token_index, custom.image_token_index)
-    except AttributeError:
-        return Check("image-token", False, "KimiK25Config has no image_token_index", 3)
-    want = (default.media_placeholder_token_id, custom.media_placeholder_token_id)
-    if got != want:
-        return Check(
-            "image-token", False, f"image_token_index {got} != placeholder {want}", 3
-        )
-    return Check("image-token", True, str(got[0]))
+    return f"image_token_index={KimiK25Config().image_token_index}"
 
 
-# ------------------------------------------------------------------ driver
+@check("Model-Capture-EAGLE-3-aux-hidden-states-in-DeepseekV")
+def deepseek_interface() -> str:
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    archs = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")
+    missing = [a for a in archs if not supports_eagle3(_resolve(a))]
+    assert not missing, f"no SupportsEagle3: {missing}"
+    return ", ".join(archs)
 
 
-def examine(arch: str, model_types: list[tuple[str, str]]) -> ArchReport:
-    report = ArchReport(arch, enabled_types=bool(model_types))
-    try:
-        if arch == KIMI_ARCH:
-            from vllm.model_executor.models import kimi_k25 as module
-        else:
-            from vllm.model_executor.models import deepseek_v2 as module
-        cls = getattr(module, arch)
-    except Exception as exc:  # noqa: BLE001
-        report.checks.append(Check("import", False, _short(exc), 2))
-        return report
-    report.checks.append(
-        _guarded("allow-list", 1, lambda: check_allow_list(model_types))
-    )
-    report.checks.append(_guarded("interface", 2, lambda: check_interface(cls)))
-    report.checks.append(
-        _guarded("aux-capture", 2, lambda: check_aux_capture(arch, cls))
-    )
-    report.checks.append(_guarded("image-token", 3, lambda: check_image_token(arch)))
-    return report
+@check("Model-Validate-DeepSeek-EAGLE-3-aux-layer-ids-and-re")
+def id_validation() -> str:
+    from vllm.model_executor.models import deepseek_v2
+
+    for bad in ((2, 30, 62), (58, 2, 30)):
+        try:
+            deepseek_v2._check_eagle3_aux_layer_ids(bad, 61)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepts {bad} for a 61-layer target")
+    return "refuses out-of-range and unsorted ids"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(
-            "Check whether EAGLE-3 speculative decoding will work for the "
-            "DeepSeek-family architectures (DeepSeek-V2/V3/V3.2, Kimi-K2, "
-            "Kimi-K2.5, GLM-5) in the vLLM this Python imports. Prints one "
-            "OK/FAIL line per architecture; exits 1 if any wall remains."
-        ),
-        epilog=(
-            "walls: 1 = speculative-config allow-list, 2 = SupportsEagle3 / "
-            "aux hidden-state capture, 3 = Kimi-K2.5 image token. "
-            "Set EAGLE3_DOCTOR_DEBUG=1 for tracebacks of failing checks."
-        ),
-    )
-    parser.add_argument(
-        "--arch",
-        action="append",
-        choices=sorted(ARCHITECTURES),
-        metavar="ARCH",
-        help=(
-            "examine only this architecture (repeatable; default: all of "
-            + ", ".join(ARCHITECTURES)
-            + ")"
-        ),
-    )
-    return parser.parse_args(argv)
+@check("Model-Support-EAGLE-3-in-KimiK25ForConditionalGenera")
+def kimi_interface() -> str:
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    assert supports_eagle3(_resolve("KimiK25ForConditionalGeneration"))
+    return "KimiK25ForConditionalGeneration"
+
+
+@check("Spec-Decode-Allow-EAGLE-3-for-DeepSeek-family-target")
+def allow_list() -> str:
+    family = ["deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "glm_moe_dsa"]
+    refused = [t for t in family if not _speculative_config_accepts(t)]
+    assert not refused, f"SpeculativeConfig refuses {refused}"
+    assert not _speculative_config_accepts("deepseek_v2", "deepseek_vl_v2")
+    return "accepts " + ", ".join(family)
+
+
+@check("Model-Let-DeepSeek-V2-attention-read-an-input-wider-")
+def attention_input_size() -> str:
+    from vllm.model_executor.models import deepseek_v2
+
+    for cls in (deepseek_v2.DeepseekV2Attention, deepseek_v2.DeepseekV2MLAAttention):
+        assert "input_size" in inspect.signature(cls).parameters, cls.__name__
+    return "input_size on both attention classes"
+
+
+@check("Model-Add-the-EAGLE-3-drafter-with-a-DeepSeek-MLA-dr")
+def mla_drafter() -> str:
+    names = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM",
+             "DeepseekV3ForCausalLMEagle3")
+    for name in names:
+        _resolve(name)
+    return "registers " + ", ".join(names)
+
+
+@check("Spec-Decode-Keep-DeepSeek-type-EAGLE-3-drafters-out-")
+def not_mtp() -> str:
+    from transformers import DeepseekV3Config
+
+    from vllm.config import SpeculativeConfig
+
+    config = DeepseekV3Config(architectures=["DeepseekV3ForCausalLMEagle3"])
+    config.draft_vocab_size = 32000
+    out = SpeculativeConfig.hf_config_override(config)
+    assert out.model_type == "deepseek_v3", f"rewritten to {out.model_type}"
+    return "a deepseek_v3 EAGLE-3 drafter stays one"
+
+
+@check("Spec-Decode-Accept-the-DeepSeek-MLA-EAGLE-3-drafter-")
+def proposer() -> str:
+    from vllm.v1.spec_decode import eagle
+
+    assert "Eagle3DeepseekV2ForCausalLM" in inspect.getsource(eagle)
+    return "EagleProposer accepts Eagle3DeepseekV2ForCausalLM"
+
+
+@check("Config-Load-kimi_k2-EAGLE-3-drafter-configs-that-shi")
+def kimi_k2_config() -> str:
+    from vllm.transformers_utils.config import get_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(
+            {"model_type": "kimi_k2", "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+             "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+        ))
+        config = get_config(tmp, trust_remote_code=False)
+    return f"kimi_k2 without code loads as {type(config).__name__}"
+
+
+@check("Spec-Decode-Key-the-compile-cache-on-the-EAGLE-3-dra")
+def compile_hash() -> str:
+    from vllm.config import SpeculativeConfig
+
+    source = inspect.getsource(SpeculativeConfig.compute_hash)
+    assert "draft_model_config" in source, "the hash ignores the drafter"
+    return "compute_hash includes the drafter"
+
+
+@check("Spec-Decode-Load-EAGLE-3.1-drafters-fc_norm-norm_out")
+def eagle31() -> str:
+    from vllm.model_executor.models import deepseek_eagle3, llama_eagle3
+
+    for module in (llama_eagle3, deepseek_eagle3):
+        source = inspect.getsource(module)
+        assert "apply_eagle3_fc_norm" in source and "norm_output" in source, module
+    return "fc_norm and norm_output in both drafters"
+
+
+@check("Model-Add-GlmMoeDsaConfig-so-GLM-5-configs-load-with")
+def glm5_config() -> str:
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    assert "glm_moe_dsa" in _CONFIG_REGISTRY, "no glm_moe_dsa config class"
+    return f"glm_moe_dsa -> {_CONFIG_REGISTRY['glm_moe_dsa']}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # Keep stdout for the report; vLLM logs to stdout unless told otherwise.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    ap = argparse.ArgumentParser(prog="python tools/doctor.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", help="an EAGLE-3 drafter directory: report the ids vLLM uses")
+    ap.add_argument("--target", help="the target model directory (for the default ids)")
+    args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
-    except Exception as exc:  # noqa: BLE001
-        print(f"vllm: cannot import ({_short(exc)})")
+    except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM"
+        print(f"vllm: cannot import ({type(e).__name__}: {e})")
         return 2
+    print(f"vllm: {Path(vllm.__file__).resolve().parent} (version {vllm.__version__})")
+    missing = 0
+    for patch, fn in CHECKS:
+        try:
+            print(f"ok       {patch}: {fn()}")
+        except Exception as e:  # noqa: BLE001 - each failure is reported, not raised
+            missing += 1
+            print(f"MISSING  {patch}: {type(e).__name__}: {str(e)[:160]}")
+    print(f"summary: {len(CHECKS) - missing} of {len(CHECKS)} patches present")
+    if args.drafter:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tools import eagle3_layers
 
-    if getattr(vllm, "__file__", None) is None:
-        where = ", ".join(getattr(vllm, "__path__", [])) or "?"
-        print(f"vllm: namespace package at {where} (no __init__.py): broken install")
-        return 2
-    vllm_file = Path(vllm.__file__).resolve()
-    version = getattr(vllm, "__version__", "unknown")
-    print(f"vllm: {vllm_file} (version {version})")
-    repo_vllm = Path(__file__).resolve().parent.parent / "vllm"
-    if vllm_file.parent == repo_vllm:
-        print(
-            f"note: this vllm is the repo-root source tree {repo_vllm}, not an install"
-        )
-
-    selected = args.arch or list(ARCHITECTURES)
-    reports = [examine(arch, ARCHITECTURES[arch]) for arch in selected]
-    width = max(len(arch) for arch in selected)
-    for report in reports:
-        print(report.line(width))
-
-    walls = sorted(
-        {
-            check.wall
-            for r in reports
-            for check in r.checks
-            if not check.ok and check.wall
-        }
-    )
-    blocked = [r.arch for r in reports if not r.ok]
-    if blocked:
-        print(
-            f"summary: EAGLE-3 blocked for {len(blocked)} of {len(reports)} "
-            f"architecture(s); walls remaining: {', '.join(map(str, walls))}"
-        )
-        return 1
-    print(f"summary: EAGLE-3 ready for all {len(reports)} architecture(s) examined")
-    return 0
+        eagle3_layers.main(["show", args.drafter] + (["--target", args.target] if args.target else []))
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

@@ -117,11 +117,25 @@ def test_use_aux_hidden_state_changes_the_hash(tmp_path):
     assert uses_aux != no_aux
 
 
-def test_another_drafter_changes_the_hash(tmp_path):
+def test_another_drafter_in_the_same_directory_changes_the_hash(tmp_path):
+    # Same path, same aux ids: only the drafter's own config differs, so this
+    # fails unless the draft config's contents reach the hash.
     target = _target(tmp_path)
-    first = _spec(target, _write(tmp_path / "a", LLAMA_DRAFTER)).compute_hash()
-    second = _spec(target, _write(tmp_path / "b", dict(LLAMA_DRAFTER, hidden_size=128))).compute_hash()
-    assert first != second
+    assert _hash_with(tmp_path, target) != _hash_with(
+        tmp_path, target, intermediate_size=256
+    )
+
+
+def test_nested_aux_layer_ids_change_the_hash(tmp_path):
+    target = _target(tmp_path)
+    fields = dict(LLAMA_DRAFTER)
+    del fields["eagle_aux_hidden_state_layer_ids"]
+
+    def nested(ids):
+        config = dict(fields, eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
+        return _spec(target, _write(tmp_path / "drafter", config)).compute_hash()
+
+    assert nested([1, 4, 7]) != nested([2, 4, 5])
 
 
 def test_deepseek_target_hash_follows_the_aux_layer_ids(tmp_path):
