@@ -765,7 +765,7 @@ def register(namespace_map: dict[str, str] | None = None) -> list[str]:
             continue
         override = False
         if _op_exists(target, name):
-            if f"{ns}::{name}" in replaceable and not namespace_map:
+            if f"{ns}::{name}" in replaceable:
                 override = True
             else:
                 continue
