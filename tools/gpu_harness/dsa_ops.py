@@ -135,6 +135,29 @@ def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(scale)))
 
 
+def _put_rows(target: torch.Tensor, index: tuple[torch.Tensor, ...], valid: torch.Tensor,
+              rows: torch.Tensor) -> None:
+    """In place: target[index[0][i], index[1][i], ...] = rows[i] where valid[i].
+
+    The kernels skip padded tokens (slot -1) with a branch. Here every token
+    writes (fixed shapes, no host sync, cost O(tokens) rather than a copy of
+    the whole cache): an invalid one repeats the write of the first valid
+    token, same place and same value, so the duplicate is harmless; with no
+    valid token at all, element 0 is rewritten with its own value."""
+    any_valid = valid.any()
+    first = torch.argmax(valid.to(torch.int32))
+    idx = []
+    for ix in index:
+        ix = ix.to(torch.int64)
+        fb = torch.where(any_valid, ix[first], torch.zeros_like(ix[first]))
+        idx.append(torch.where(valid, ix, fb))
+    zero = torch.zeros((), dtype=torch.int64, device=target.device)
+    own = target[tuple(zero for _ in index)]
+    fb_row = torch.where(any_valid, rows[first], own)
+    shape = (-1,) + (1,) * (rows.dim() - 1)
+    target.index_put_(tuple(idx), torch.where(valid.view(shape), rows, fb_row))
+
+
 # ---------------------------------------------------------------------------
 # 1. _C::per_token_group_fp8_quant (csrc/quantization/w8a8/fp8/per_token_group_quant.cu)
 # ---------------------------------------------------------------------------
@@ -185,7 +208,9 @@ def per_token_group_fp8_quant(
 def _indexer_block_views(kv_cache: torch.Tensor, head_dim: int, quant_block_size: int):
     nb, bs, stride = kv_cache.shape
     groups = head_dim // quant_block_size
-    flat = kv_cache.view(torch.uint8).reshape(nb, bs * stride)
+    # view (never reshape): a copy would silently drop the writes. The kernel
+    # addresses the block by pointer arithmetic, so it needs this layout too.
+    flat = kv_cache.view(torch.uint8).view(nb, bs * stride)
     k_part = flat[:, : bs * head_dim].reshape(nb, bs, head_dim)
     s_part = flat[:, bs * head_dim: bs * head_dim + bs * groups * 4].reshape(nb, bs, groups * 4)
     return k_part, s_part
@@ -225,16 +250,8 @@ def indexer_k_quant_and_cache(
     bs = kv_cache.shape[1]
     slots = slot_mapping.reshape(-1).to(torch.int64)
     valid = slots >= 0
-    # Padded tokens (slot -1) write nothing: send them to a scratch row.
-    nb = kv_cache.shape[0]
-    blk = torch.where(valid, slots // bs, torch.full_like(slots, nb))
-    off = torch.where(valid, slots % bs, torch.zeros_like(slots))
-    k_ext = torch.cat([k_part, k_part.new_empty((1, bs, head_dim))], 0)
-    s_ext = torch.cat([s_part, s_part.new_empty((1, bs, groups * 4))], 0)
-    k_ext[blk, off] = q
-    s_ext[blk, off] = s_bytes
-    k_part.copy_(k_ext[:nb])
-    s_part.copy_(s_ext[:nb])
+    _put_rows(k_part, (slots // bs, slots % bs), valid, q)
+    _put_rows(s_part, (slots // bs, slots % bs), valid, s_bytes)
 
 
 def cp_gather_indexer_k_quant_cache(
@@ -294,8 +311,13 @@ def fp8_mqa_logits(
     unwritten when clean_logits is False; here they are always -inf (what
     clean_logits=True gives), which no consumer may depend on either way."""
     k_fp8, k_scales = kv
+    m, h = q.shape[0], q.shape[1]
     n = k_fp8.shape[0]
-    logits = _mqa_logits_core(q, k_fp8, weights) * k_scales.reshape(1, n).float()
+    # Row chunks keep the [rows, H, N] fp32 scores near 256 MiB (shapes only).
+    step = max(1, (1 << 26) // max(1, h * n))
+    logits = torch.cat([_mqa_logits_core(q[i:i + step], k_fp8, weights[i:i + step])
+                        for i in range(0, m, step)] or [q.new_empty((0, n), dtype=torch.float32)])
+    logits = logits * k_scales.reshape(1, n).float()
     cols = torch.arange(n, device=q.device)
     inside = (cols[None, :] >= cu_seqlen_ks.to(torch.int64)[:, None]) & (
         cols[None, :] < cu_seqlen_ke.to(torch.int64)[:, None]
@@ -439,14 +461,11 @@ def top_k_per_row_decode(
 DS_MLA_BYTES = 656  # 512 fp8 + 4 * fp32 + 64 * bf16
 
 
-def _scatter_rows(cache2d: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache2d [num_slots, W]; rows [T, W]; slot -1 writes nothing."""
-    n = cache2d.shape[0]
-    valid = slots >= 0
-    dst = torch.where(valid, slots, torch.full_like(slots, n))
-    ext = torch.cat([cache2d, cache2d.new_empty((1, cache2d.shape[1]))], 0)
-    ext[dst] = rows
-    cache2d.copy_(ext[:n])
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, W] (any strides); rows [T, W]; slot -1
+    writes nothing."""
+    bs = cache.shape[1]
+    _put_rows(cache, (slots // bs, slots % bs), slots >= 0, rows)
 
 
 def concat_and_cache_mla(
@@ -466,7 +485,8 @@ def concat_and_cache_mla(
     t, rank = kv_c.shape
     pe_dim = k_pe.shape[-1]
     slots = slot_mapping.reshape(-1).to(torch.int64)
-    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    if kv_cache.dim() != 3:
+        raise RuntimeError("concat_and_cache_mla: kv_cache must be [num_blocks, block_size, width]")
     if kv_cache_dtype == "fp8_ds_mla":
         if rank != 512 or pe_dim != 64:
             raise RuntimeError("fp8_ds_mla needs kv_lora_rank 512 and pe_dim 64")
@@ -479,14 +499,14 @@ def concat_and_cache_mla(
         nope = _to_fp8(x / s[..., None]).reshape(t, 512).view(torch.uint8)
         rows = torch.cat([nope, s.contiguous().view(torch.uint8).reshape(t, 16),
                           k_pe.reshape(t, 64).contiguous().view(torch.uint8)], dim=1)
-        _scatter_rows(flat.view(torch.uint8), slots, rows)
+        _scatter_rows(kv_cache.view(torch.uint8), slots, rows)
     elif kv_cache_dtype == "auto":
         rows = torch.cat([kv_c, k_pe.reshape(t, pe_dim)], dim=1).to(kv_cache.dtype)
-        _scatter_rows(flat, slots, rows)
+        _scatter_rows(kv_cache, slots, rows)
     elif kv_cache_dtype in ("fp8", "fp8_e4m3"):
         rows = torch.cat([kv_c, k_pe.reshape(t, pe_dim)], dim=1).float()
         rows = _to_fp8(rows / scale.float().reshape(())).view(torch.uint8)
-        _scatter_rows(flat.view(torch.uint8), slots, rows)
+        _scatter_rows(kv_cache.view(torch.uint8), slots, rows)
     else:
         raise RuntimeError(
             f"concat_and_cache_mla stand-in: kv_cache_dtype {kv_cache_dtype!r} is "
@@ -529,19 +549,15 @@ def cp_gather_and_upconvert_fp8_kv_cache(
     vals = _dequant_ds_mla(toks)  # [batch, maxlen, 576]
     valid = i[None, :] < seq_lens[:batch_size].to(torch.int64)[:, None]
     rows = workspace_starts[:batch_size].to(torch.int64)[:, None] + i[None, :]
-    rows = torch.where(valid, rows, torch.full_like(rows, n_dst))
-    ext = torch.cat([dst, dst.new_empty((1, 576))], 0)
-    ext[rows.reshape(-1)] = vals.reshape(-1, 576)
-    dst.copy_(ext[:n_dst])
+    valid = valid & (rows < n_dst)
+    _put_rows(dst, (rows.reshape(-1),), valid.reshape(-1), vals.reshape(-1, 576))
 
 
 # ---------------------------------------------------------------------------
 # 10./11. FlashMLA sparse (FlashMLA csrc/api/sparse_fwd.h, sparse_decode.h;
-# reference: FlashMLA tests/test_flash_mla_prefill.py reference_torch)
+# semantics: FlashMLA tests/ref.py ref_sparse_attn_fwd / ref_sparse_attn_decode.
+# The kernels take bf16 q and keys, accumulate in fp32 and round out to bf16.)
 # ---------------------------------------------------------------------------
-LOG2E = 1.4426950408889634
-
-
 def _sparse_attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
                    sm_scale: float, d_v: int, attn_sink: torch.Tensor | None):
     """q [T, H, D] bf16, kv [T, K, D] bf16 (gathered), valid [T, K] ->
@@ -584,9 +600,11 @@ def sparse_prefill_fwd(
     """q [s_q, h_q, d_qk] bf16, kv [s_kv, h_kv=1, d_qk] bf16, indices
     [s_q, 1, topk] int32 (entries < 0 or >= s_kv, and with topk_length those at
     or past topk_length[i], are skipped). Returns [out bf16 [s_q, h_q, d_v],
-    max_logits f32 [s_q, h_q], lse f32 [s_q, h_q]]; max_logits and lse are in
-    base 2 of the scaled scores (score * sm_scale * log2(e)), as the kernel
-    computes them."""
+    max_logits f32 [s_q, h_q], lse f32 [s_q, h_q]] of the scaled scores
+    (q·k * sm_scale), natural log, as FlashMLA's tests/ref.py
+    ref_sparse_attn_fwd defines them (the interface's docstring points there);
+    a query with no valid index gets out 0, max_logits -inf, lse +inf. vLLM
+    uses only out (flashmla_sparse.py:964 ``[0]``)."""
     s_q, h_q, d_qk = q.shape
     s_kv = kv.shape[0]
     _check_heads(h_q, d_qk, d_v, "sparse_prefill_fwd")
@@ -602,7 +620,8 @@ def sparse_prefill_fwd(
                          < topk_length.to(torch.int64)[:, None])
     gathered = kv[:, 0, :][torch.where(valid, idx, torch.zeros_like(idx))]
     out, mx, lse = _sparse_attend(q, gathered, valid, sm_scale, d_v, attn_sink)
-    return [out.to(torch.bfloat16), mx * LOG2E, lse * LOG2E]
+    lse = torch.where(torch.isinf(lse) & (lse < 0), torch.full_like(lse, float("inf")), lse)
+    return [out.to(torch.bfloat16), mx, lse]
 
 
 def sparse_decode_fwd(
