@@ -18,7 +18,8 @@ c2afa9cb93e674d5a9120a170a6da57b89267208, ``cmake/external_projects/flashmla.cma
 
 Compiled code the forward reaches (eager, ``custom_ops=["none"]``)
 -------------------------------------------------------------------
-Indexer (``deepseek_v2.py:667 Indexer.forward`` ->
+Indexer (called from ``layers/mla.py:162`` when ``is_sparse``;
+``deepseek_v2.py:667 Indexer.forward`` ->
 ``layers/sparse_attn_indexer.py:28 sparse_attn_indexer``, a ``torch.ops.vllm``
 custom op that ``SparseAttnIndexer.forward_native`` calls on CUDA, line 261):
 
@@ -89,6 +90,9 @@ Which paths are fp8-only in v0.16.0
   prefill and decode both go through ``sparse_prefill_fwd`` on a bf16 cache.
   ``sparse_decode_fwd`` asserts ``is_fp8_kvcache`` (interface line 155), so it
   and ``cp_gather_and_upconvert_fp8_kv_cache`` are fp8-only.
+* With MLA off (``VLLM_MLA_DISABLE=1``) these models take the dense
+  ``DeepseekV2Attention`` path: no indexer, no sparsity. Only an MLA-on run
+  exercises DSA.
 * The model dtype must be bfloat16 (``supported_dtypes``, line 77) and the head
   size 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (line 98). The FlashMLA
   kernels take 64 or 128 query heads; vLLM pads to 64 on Hopper and asserts

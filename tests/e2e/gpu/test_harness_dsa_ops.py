@@ -437,6 +437,41 @@ def test_cp_gather_and_upconvert_fp8_kv_cache(device):
     assert out[5] == [-5.0] * 576  # past every request: untouched
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_writes_with_only_padded_tokens_change_nothing(device):
+    # Every slot -1 (a padded batch): the stand-ins still issue their write,
+    # which must leave the caches bit for bit as they were.
+    g = _gen(23, "cpu")
+    idx_cache = torch.randint(0, 256, (2, BS, D_IDX + 4), generator=g).to(torch.uint8).to(device)
+    mla_cache = torch.randint(0, 256, (2, 2, 656), generator=g).to(torch.uint8).to(device)
+    before = (idx_cache.clone(), mla_cache.clone())
+    slots = torch.full((3,), -1, dtype=torch.int64, device=device)
+    CACHE.indexer_k_quant_and_cache(_randn((3, D_IDX), torch.bfloat16, device, 24),
+                                    idx_cache, slots, 128, "ue8m0")
+    CACHE.concat_and_cache_mla(_randn((3, 512), torch.bfloat16, device, 25),
+                               _randn((3, 64), torch.bfloat16, device, 26), mla_cache, slots,
+                               "fp8_ds_mla", torch.ones((), device=device))
+    assert torch.equal(idx_cache, before[0]) and torch.equal(mla_cache, before[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_concat_and_cache_mla_writes_through_a_strided_cache_view(device):
+    # vLLM may hand a layer a permuted view of a larger allocation; the write
+    # must land in that storage, not in a copy.
+    store = torch.zeros((4, 3, 12), dtype=torch.bfloat16, device=device)  # [bs, nb, W]
+    cache = store.permute(1, 0, 2)  # [nb=3, bs=4, W]
+    kv_c = _randn((2, 8), torch.bfloat16, device, seed=27)
+    k_pe = _randn((2, 4), torch.bfloat16, device, seed=28)
+    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([5, 10], device=device), "auto",
+                               torch.ones((), device=device))
+    for t, slot in enumerate([5, 10]):
+        blk, off = divmod(slot, 4)
+        assert store[off, blk].float().tolist() == \
+            kv_c[t].float().tolist() + k_pe[t].float().tolist()
+    assert float(store.float().abs().sum()) == float(
+        kv_c.float().abs().sum() + k_pe.float().abs().sum())
+
+
 # ---------------------------------------------------------------------------
 # 10./11. FlashMLA sparse
 # ---------------------------------------------------------------------------
@@ -531,6 +566,48 @@ def test_sparse_decode_fwd(device):
                 assert float(lse[bi, h, 0]) == float("inf")
             else:
                 assert math.isclose(float(lse[bi, h, 0]), rlse, abs_tol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA-graph capture needs a CUDA GPU (runs on the device harness)")
+def test_decode_path_ops_capture_in_a_cuda_graph():
+    # The decode-time stand-ins must run under CUDA-graph capture: no host
+    # reads of device values, no data-dependent shapes. Capture fails with
+    # "operation not permitted when stream is capturing" otherwise.
+    dev = "cuda"
+    b, next_n, h, nb, max_len, k = 2, 1, 4, 6, 16, 4
+    idx_cache = torch.zeros((nb, BS, D_IDX + 4), dtype=torch.uint8, device=dev)
+    mla_cache = torch.zeros((nb, BS, 576), dtype=torch.bfloat16, device=dev)
+    kk = _randn((b, D_IDX), torch.bfloat16, dev, 29)
+    slots = torch.tensor([3, -1], device=dev)
+    q_fp8 = _fp8_random((b, next_n, h, D_IDX), dev, 30)
+    w = _randn((b * next_n, h), torch.float32, dev, 31)
+    ctx = torch.tensor([5, 9], dtype=torch.int32, device=dev)
+    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]], dtype=torch.int32, device=dev)
+    out_idx = torch.empty((b * next_n, k), dtype=torch.int32, device=dev)
+    q_mla = _randn((b, 64, 576), torch.bfloat16, dev, 32)
+    kv_c, k_pe = _randn((b, 512), torch.bfloat16, dev, 33), _randn((b, 64), torch.bfloat16, dev, 34)
+
+    def step():
+        CACHE.indexer_k_quant_and_cache(kk, idx_cache, slots, 128, "ue8m0")
+        meta = dsa.get_paged_mqa_logits_metadata(ctx, BS, 8)
+        logits = dsa.fp8_paged_mqa_logits(q_fp8, idx_cache.unsqueeze(-2), w, ctx, bt, meta,
+                                          max_len, False)
+        C.top_k_per_row_decode(logits, next_n, ctx, out_idx, b * next_n, logits.stride(0),
+                               logits.stride(1), k)
+        CACHE.concat_and_cache_mla(kv_c, k_pe, mla_cache, slots, "auto",
+                                   torch.ones((), device=dev))
+        return FMLA.sparse_prefill_fwd(q_mla, mla_cache.view(-1, 1, 576),
+                                       out_idx.view(b, 1, k), 0.1, 512, None, None)[0]
+
+    step()  # warm up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(static_out.float()).all()
 
 
 # ---------------------------------------------------------------------------
