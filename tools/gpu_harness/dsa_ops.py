@@ -518,13 +518,19 @@ def concat_and_cache_mla(
         )
 
 
-def _dequant_ds_mla(tokens: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 656] -> bf16 [..., 576]: NoPE = bf16(float(fp8) * scale),
-    RoPE copied (scaled_vec_conversion<__nv_bfloat16, uint8_t>)."""
+def _dequant_ds_mla(tokens: torch.Tensor, bf16_scale: bool = False) -> torch.Tensor:
+    """uint8 [..., 656] -> bf16 [..., 576], RoPE copied. NoPE:
+    bf16(float(fp8) * scale) in vLLM's upconvert kernel
+    (scaled_vec_conversion<__nv_bfloat16, uint8_t>); FlashMLA's SM90 sparse
+    decode (sm90/decode/sparse_fp8/components/dequant.h cvt_fp8x8_bf16x8)
+    first rounds the scale to bf16 (__float2bfloat162_rn) and multiplies in
+    bf16: bf16(fp8 * bf16(scale)) - ``bf16_scale=True``."""
     lead = tokens.shape[:-1]
     t = tokens.reshape(-1, DS_MLA_BYTES)
     nope = t[:, :512].contiguous().view(FP8).float().reshape(-1, 4, 128)
     s = t[:, 512:528].contiguous().view(torch.float32).reshape(-1, 4, 1)
+    if bf16_scale:
+        s = s.to(torch.bfloat16).float()
     rope = t[:, 528:].contiguous().view(torch.bfloat16)
     out = torch.cat([(nope * s).reshape(-1, 512).to(torch.bfloat16), rope], dim=1)
     return out.reshape(*lead, 576)
@@ -560,7 +566,9 @@ def cp_gather_and_upconvert_fp8_kv_cache(
 # ---------------------------------------------------------------------------
 # 10./11. FlashMLA sparse (FlashMLA csrc/api/sparse_fwd.h, sparse_decode.h;
 # semantics: FlashMLA tests/ref.py ref_sparse_attn_fwd / ref_sparse_attn_decode.
-# The kernels take bf16 q and keys, accumulate in fp32 and round out to bf16.)
+# The kernels take bf16 q and keys, accumulate in fp32 and round out to bf16;
+# they also round the softmax weights to bf16 for the P·V product, which the
+# stand-in keeps in fp32, so the two agree to bf16 rounding, not bit for bit.)
 # ---------------------------------------------------------------------------
 def _sparse_attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
                    sm_scale: float, d_v: int, attn_sink: torch.Tensor | None):
@@ -645,8 +653,8 @@ def sparse_decode_fwd(
     """q [b, s_q, h_q, 576] bf16, kv uint8 [num_blocks, page_block_size, 1,
     656] (fp8_ds_mla), indices [b, s_q, topk] int32 global slots
     (block * page_block_size + offset; -1 skipped; with topk_length[b] only the
-    first topk_length[b] count). Keys are dequantized to bf16 as the kernel
-    does, then the same softmax attention. Returns (out bf16 [b, s_q, h_q,
+    first topk_length[b] count). Keys are dequantized to bf16 as the SM90
+    kernel does (scale rounded to bf16 first), then the same softmax attention. Returns (out bf16 [b, s_q, h_q,
     d_v], lse f32 [b, h_q, s_q] natural log (+inf for a query with no valid
     index, whose out is 0), and the two scheduler tensors, passed through or
     allocated with the kernel's shapes; nothing reads their values here)."""
@@ -669,7 +677,8 @@ def sparse_decode_fwd(
         lim = topk_length.to(torch.int64).repeat_interleave(s_q)[:, None]
         valid = valid & (torch.arange(topk, device=q.device)[None, :] < lim)
     tokens = kv.view(torch.uint8).reshape(n_slots, DS_MLA_BYTES)
-    keys = _dequant_ds_mla(tokens[torch.where(valid, idx, torch.zeros_like(idx))])
+    keys = _dequant_ds_mla(tokens[torch.where(valid, idx, torch.zeros_like(idx))],
+                           bf16_scale=True)
     out, _, lse = _sparse_attend(q.reshape(b * s_q, h_q, d_qk), keys, valid, sm_scale,
                                  d_v, attn_sink)
     lse = torch.where(torch.isinf(lse) & (lse < 0), torch.full_like(lse, float("inf")), lse)

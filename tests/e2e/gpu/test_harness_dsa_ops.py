@@ -397,9 +397,10 @@ def test_concat_and_cache_mla_fp8_ds_mla(device):
     assert got[0][1] == [0xCD] * 656 and got[1][0] == [0xCD] * 656  # untouched slots
 
 
-def _ds_mla_cache(nb, bs, seed):
+def _ds_mla_cache(nb, bs, seed, bf16_scale=False):
     """A 656-byte cache from literal parts; returns (uint8 tensor, dequantized
-    keys as nested floats [nb][bs][576]) with NoPE = bf16(float(fp8) * scale)."""
+    keys as nested floats [nb][bs][576]) with NoPE = bf16(float(fp8) * scale),
+    or with the scale first rounded to bf16 (FlashMLA's SM90 decode)."""
     g = _gen(seed, "cpu")
     raw, deq = [], []
     for blk in range(nb):
@@ -407,12 +408,13 @@ def _ds_mla_cache(nb, bs, seed):
         for off in range(bs):
             codes = _fp8_random((512,), "cpu", seed * 100 + blk * bs + off)
             codes = codes.view(torch.uint8).tolist()
+            # 0.01 * k is not a bf16 value, so the two dequant rules differ.
             scales = [0.01 * (1 + (blk * bs + off + i) % 5) for i in range(4)]
             rope = (torch.randn(64, generator=g) * 0.3).to(torch.bfloat16)
             rb.append(codes + [x for s in scales for x in f32_bytes(s)]
                       + rope.view(torch.uint8).tolist())
-            nope = [bf16(f32(e4m3_decode(c) * f32(scales[i // 128])))
-                    for i, c in enumerate(codes)]
+            sc = [bf16(f32(x)) if bf16_scale else f32(x) for x in scales]
+            nope = [bf16(f32(e4m3_decode(c) * sc[i // 128])) for i, c in enumerate(codes)]
             db.append(nope + rope.float().tolist())
         raw.append(rb)
         deq.append(db)
@@ -544,7 +546,7 @@ def test_sparse_prefill_fwd_rejects_head_counts_the_kernel_rejects():
 @pytest.mark.parametrize("device", DEVICES)
 def test_sparse_decode_fwd(device):
     nb, pbs, b, h_q, topk, heads_checked = 3, 2, 3, 64, 3, 5
-    cache, deq = _ds_mla_cache(nb, pbs, 21)
+    cache, deq = _ds_mla_cache(nb, pbs, 21, bf16_scale=True)
     flat = [deq[blk][off] for blk in range(nb) for off in range(pbs)]
     q = _randn((b, 1, h_q, 576), torch.bfloat16, device, seed=22, scale=0.5)
     idx = [[5, 0, -1], [2, 3, 4], [-1, -1, -1]]
