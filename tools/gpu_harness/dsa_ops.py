@@ -90,9 +90,10 @@ Which paths are fp8-only in v0.16.0
   prefill and decode both go through ``sparse_prefill_fwd`` on a bf16 cache.
   ``sparse_decode_fwd`` asserts ``is_fp8_kvcache`` (interface line 155), so it
   and ``cp_gather_and_upconvert_fp8_kv_cache`` are fp8-only.
-* With MLA off (``VLLM_MLA_DISABLE=1``) these models take the dense
-  ``DeepseekV2Attention`` path: no indexer, no sparsity. Only an MLA-on run
-  exercises DSA.
+* With MLA off (``VLLM_MLA_DISABLE=1``) these models do not run at all:
+  ``DeepseekV2Attention`` asserts ``topk_indices_buffer is None``
+  (``deepseek_v2.py:430``), and the model allocates one whenever the config
+  has ``index_topk`` (line 1049). DSA needs MLA on.
 * The model dtype must be bfloat16 (``supported_dtypes``, line 77) and the head
   size 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (line 98). The FlashMLA
   kernels take 64 or 128 query heads; vLLM pads to 64 on Hopper and asserts
