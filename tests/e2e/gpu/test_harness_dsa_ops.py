@@ -12,8 +12,9 @@ in float32, the reference rounds to float32 at the same points (struct), so
 quantized bytes must match exactly.
 
 They run on CPU (CI) and on CUDA when present, under test namespaces so they
-can sit next to a real ``vllm._C``; two tests install the real names in a fresh
-interpreter. Not marked ``gpu``.
+can sit next to a real ``vllm._C``; three tests install the real names in a
+fresh interpreter, one of them driving the pinned wheel's own FlashMLA
+interface. Not marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -680,3 +681,79 @@ def test_replaces_the_harness_referenced_only_quant_op():
     """)
     # amax 1 -> 1/448 -> ue8m0 2^-8; 1 / 2^-8 = 256 (on the e4m3 grid).
     assert out.strip().splitlines()[-1] == f"{2.0 ** -8} 256.0"
+
+
+def _flashmla_interface_source() -> str:
+    """vllm/third_party/flashmla/flash_mla_interface.py of the pinned official
+    CUDA wheel (Python, vendored from vllm-project/FlashMLA), from the
+    artifact cache."""
+    import zipfile
+
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.append(str(REPO_ROOT))
+    from tools._common import StackError, load_pin
+    from tools.fetch import ensure
+
+    try:
+        wheel = ensure(load_pin().artifact("wheel-x86_64"), offline=True)
+    except StackError as e:
+        pytest.skip(f"the pinned CUDA wheel is not cached ({e}); run python -m tools.fetch wheel-x86_64")
+    with zipfile.ZipFile(wheel) as z:
+        return z.read("vllm/third_party/flashmla/flash_mla_interface.py").decode()
+
+
+def test_flashmla_interface_calls_reach_the_stand_ins_with_the_right_arguments(tmp_path):
+    # The wheel's own interface calls torch.ops._flashmla_C.* positionally; a
+    # schema with two arguments swapped would pass attn_sink as topk_length.
+    # Every optional argument is given a non-default value, and the result
+    # must equal a direct call that names each argument.
+    pytest.importorskip("vllm")
+    iface = tmp_path / "flash_mla_interface.py"
+    iface.write_text(_flashmla_interface_source())
+    out = _run(f"""
+        import importlib.util, sys, torch
+        try:
+            import vllm._C
+        except Exception:
+            pass
+        def load(name, path):
+            spec = importlib.util.spec_from_file_location(name, path)
+            m = importlib.util.module_from_spec(spec); sys.modules[name] = m
+            spec.loader.exec_module(m); return m
+        dsa = load("vllm._gpu_harness_dsa_ops", {str(DSA_PATH)!r})
+        dsa.install()
+        fi = load("flash_mla_interface", {str(iface)!r})
+        g = torch.Generator().manual_seed(0)
+        q = (torch.randn((3, 64, 576), generator=g) * 0.3).to(torch.bfloat16)
+        kv = (torch.randn((9, 1, 576), generator=g) * 0.3).to(torch.bfloat16)
+        idx = torch.tensor([[[1, 4, 8]], [[0, 2, 7]], [[5, -1, 3]]], dtype=torch.int32)
+        sink = torch.randn(64, generator=g)
+        tl = torch.tensor([2, 3, 1], dtype=torch.int32)
+        via = fi.flash_mla_sparse_fwd(q, kv, idx, 0.05, 512, sink, tl)
+        direct = dsa.sparse_prefill_fwd(q=q, kv=kv, indices=idx, sm_scale=0.05, d_v=512,
+                                        attn_sink=sink, topk_length=tl)
+        assert all(torch.equal(a, b) for a, b in zip(via, direct))
+        assert not torch.equal(via[0], fi.flash_mla_sparse_fwd(q, kv, idx, 0.05)[0])
+
+        cache = torch.randint(0, 120, (2, 4, 1, 656), generator=g, dtype=torch.uint8)
+        cache[..., 512:528] = torch.full((2, 4, 1, 4), 0.02).view(torch.uint8)
+        qd = (torch.randn((2, 1, 64, 576), generator=g) * 0.3).to(torch.bfloat16)
+        idx_d = torch.tensor([[[0, 5, 7]], [[3, 1, -1]]], dtype=torch.int32)
+        tl_d = torch.tensor([3, 2], dtype=torch.int32)
+        meta, _ = fi.get_mla_metadata()
+        o, lse = fi.flash_mla_with_kvcache(qd, cache, None, None, 512, meta, softmax_scale=0.05,
+                                           is_fp8_kvcache=True, indices=idx_d, attn_sink=sink,
+                                           topk_length=tl_d)
+        o2, lse2, _, _ = dsa.sparse_decode_fwd(
+            q=qd, kv=cache, indices=idx_d, topk_length=tl_d, attn_sink=sink,
+            tile_scheduler_metadata=None, num_splits=None, extra_kv=None, extra_indices=None,
+            extra_topk_length=None, d_v=512, sm_scale=0.05)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2)
+        # the scheduler state the interface keeps is reused on the next call
+        o3, _ = fi.flash_mla_with_kvcache(qd, cache, None, None, 512, meta, softmax_scale=0.05,
+                                          is_fp8_kvcache=True, indices=idx_d, attn_sink=sink,
+                                          topk_length=tl_d)
+        assert torch.equal(o, o3)
+        print("ok", tuple(o.shape), tuple(lse.shape))
+    """)
+    assert out.strip().splitlines()[-1] == "ok (2, 1, 64, 512) (2, 64, 1)"
