@@ -46,7 +46,7 @@ custom op that ``SparseAttnIndexer.forward_native`` calls on CUDA, line 261):
 8. ``_C::top_k_per_row_decode`` - ``sparse_attn_indexer.py:167``.
 
 Sparse MLA (``layers/attention/mla_attention.py`` ->
-``backends/mla/flashmla_sparse.py FlashMLASparseImpl.forward_mqa`` line 975):
+``backends/mla/flashmla_sparse.py FlashMLASparseImpl.forward_mqa`` line 970):
 
 9. ``_C_cache_ops::concat_and_cache_mla`` - ``mla_attention.py:524`` via
    ``_custom_ops.py:2426``; ``kv_cache_dtype`` "auto" (bf16 cache, 576 values
@@ -56,7 +56,7 @@ Sparse MLA (``layers/attention/mla_attention.py`` ->
 10. ``_flashmla_C::sparse_prefill_fwd`` - FlashMLA ``flash_mla_sparse_fwd``
     (interface line 177), called at ``flashmla_sparse.py:964`` from
     ``_bf16_flash_mla_kernel``. This is the whole bf16-cache path (prefill AND
-    decode, ``_forward_bf16_kv`` line 744) and the prefill half of the fp8
+    decode, ``_forward_bf16_kv`` line 742) and the prefill half of the fp8
     "separate" path.
 11. ``_flashmla_C::sparse_decode_fwd`` - FlashMLA ``flash_mla_with_kvcache``
     with ``indices`` (interface line 156), called at ``flashmla_sparse.py:922``
@@ -94,10 +94,10 @@ Which paths are fp8-only in v0.16.0
   ``DeepseekV2Attention`` asserts ``topk_indices_buffer is None``
   (``deepseek_v2.py:430``), and the model allocates one whenever the config
   has ``index_topk`` (line 1049). DSA needs MLA on.
-* The model dtype must be bfloat16 (``supported_dtypes``, line 77) and the head
-  size 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (line 98). The FlashMLA
+* The model dtype must be bfloat16 (``supported_dtypes``, line 78) and the head
+  size 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (line 102). The FlashMLA
   kernels take 64 or 128 query heads; vLLM pads to 64 on Hopper and asserts
-  ``64 % num_heads == 0`` (line 952).
+  ``64 % num_heads == 0`` (line 954).
 
 What each stand-in computes is written next to it, read from the kernel source
 (vLLM ``csrc/``, FlashMLA ``csrc/api/sparse_fwd.h`` and ``sparse_decode.h``,
