@@ -149,6 +149,8 @@ def _put_rows(target: torch.Tensor, index: tuple[torch.Tensor, ...], valid: torc
     the whole cache): an invalid one repeats the write of the first valid
     token, same place and same value, so the duplicate is harmless; with no
     valid token at all, element 0 is rewritten with its own value."""
+    if rows.shape[0] == 0:
+        return
     any_valid = valid.any()
     first = torch.argmax(valid.to(torch.int32))
     idx = []
