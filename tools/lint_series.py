@@ -6,12 +6,20 @@ every patch is a git mail fit to send upstream.
 A patch must carry: the ``From <zero hash>`` mbox line and From/Date/Subject
 headers of ``git format-patch``; a subject in vLLM's style (``[Tag] Text``,
 at most 72 characters); a body saying why; a DCO ``Signed-off-by`` of its
-author; and an ``Upstream-Status`` trailer, one of
+author; and exactly one ``Upstream-Status`` trailer in Yocto's vocabulary:
 
-    equivalent vX.Y.Z   upstream later landed an equivalent change in vX.Y.Z
-    beyond vX.Y.Z       not upstream as of vX.Y.Z: goes beyond it
-    submitted <url>     sent upstream, under review there
-    vendor              needed by this stack only (the body says why)
+    Pending                      not sent upstream yet
+    Submitted [<ref>]            sent upstream: the PR
+    Accepted                     merged upstream (prefer Backport [<ref>])
+    Backport [<ref>]             upstream's own change, carried here
+    Denied                       upstream refused it
+    Inappropriate [<reason>]     not meant for upstream, and why
+    Inactive-Upstream [...]      upstream is dead (bracket optional)
+
+<ref> is checkable: https://github.com/vllm-project/vllm/pull/<N> or
+https://github.com/vllm-project/vllm/commit/<7-40 hex digits> (several,
+comma-separated, are fine). A bare version such as ``v0.18.0`` is not a
+reference: nobody can check what it claims.
 """
 
 from __future__ import annotations
@@ -32,11 +40,48 @@ from tools._common import PATCHES_DIR, StackError, read_series, run_main, say
 TOOL = "lint"
 ZERO_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 SUBJECT_RE = re.compile(r"^(\[[A-Za-z0-9][A-Za-z0-9 ._/+-]*\])+ \S")
-STATUS_RE = re.compile(
-    r"^(equivalent v\d+\.\d+\.\d+|beyond v\d+\.\d+\.\d+|submitted https?://\S+|vendor)\b"
-)
+STATUS_RE = re.compile(r"^(?P<kw>\S+?)(?: \[(?P<arg>[^\[\]]*)\])?$")
+# keyword -> does its bracket hold: "ref" (required, checkable), "reason"
+# (required, free text) or "optional" (free text, may be left out).
+STATUS_KINDS = {
+    "Pending": "optional", "Submitted": "ref", "Accepted": "optional",
+    "Backport": "ref", "Denied": "optional", "Inappropriate": "reason",
+    "Inactive-Upstream": "optional",
+}
+REF_RE = re.compile(r"https://github\.com/vllm-project/vllm/"
+                    r"(?:pull/[1-9]\d*|commit/[0-9a-f]{7,40})")
+URL_RE = re.compile(r"\w+://\S+")
+# Trailers that mean something to this stack only: tools.export_series
+# --for-upstream drops them from the mails it writes.
+DOWNSTREAM_TRAILERS = ("Upstream-Status",)
+VOCABULARY = " | ".join(f"{k} [...]" if v != "optional" else k
+                        for k, v in STATUS_KINDS.items())
 SOB_RE = re.compile(r"^Signed-off-by: (.+ <[^<>@\s]+@[^<>\s]+>)$")
 MAX_SUBJECT = 72
+
+
+def check_status(value: str) -> str | None:
+    """What is wrong with one Upstream-Status value, or None."""
+    m = STATUS_RE.match(value)
+    kind = STATUS_KINDS.get(m.group("kw")) if m else None
+    if not m or kind is None:
+        return (f"Upstream-Status {value!r} is not in Yocto's vocabulary "
+                f"({VOCABULARY}; a bracket follows after one space)")
+    kw, arg = m.group("kw"), (m.group("arg") or "").strip()
+    if m.group("arg") is not None and not arg:
+        return f"Upstream-Status {value!r}: the bracket is empty"
+    if kind == "reason" and not arg:
+        return f"Upstream-Status {value!r} needs a reason: `{kw} [why upstream does not want it]`"
+    if kind == "ref":
+        urls = URL_RE.findall(arg)
+        bad = [u for u in urls if not REF_RE.fullmatch(u.rstrip(",;"))]
+        if not urls or bad:
+            return (f"Upstream-Status {value!r} cites no checkable reference: write "
+                    f"`{kw} [https://github.com/vllm-project/vllm/pull/<N>]` or "
+                    f"`{kw} [https://github.com/vllm-project/vllm/commit/<sha>]`"
+                    + (f" ({', '.join(bad)} is neither)" if bad else
+                       " (a version number alone says nothing anyone can check)"))
+    return None
 
 
 def lint_patch(path: Path) -> list[str]:
@@ -90,13 +135,16 @@ def lint_patch(path: Path) -> list[str]:
         problems.append(f"{name}: no Signed-off-by from its author {author}")
     statuses = [t.split(":", 1)[1].strip() for t in trailers
                 if t.lower().startswith("upstream-status:")]
+    elsewhere = [ln for ln in lines if ln.lower().startswith("upstream-status:")]
+    if elsewhere:
+        problems.append(f"{name}: an Upstream-Status line outside the trailer block "
+                        "(the trailers are the last paragraph of the message)")
     if not statuses:
-        problems.append(f"{name}: no `Upstream-Status:` trailer (equivalent vX.Y.Z | "
-                        "beyond vX.Y.Z | submitted <url> | vendor)")
-    for status in statuses:
-        if not STATUS_RE.match(status):
-            problems.append(f"{name}: Upstream-Status {status!r} is not one of "
-                            "equivalent vX.Y.Z | beyond vX.Y.Z | submitted <url> | vendor")
+        problems.append(f"{name}: no `Upstream-Status:` trailer ({VOCABULARY})")
+    elif len(statuses) > 1:
+        problems.append(f"{name}: {len(statuses)} Upstream-Status trailers; "
+                        "a mail has exactly one")
+    problems.extend(f"{name}: {p}" for s in statuses if (p := check_status(s)))
     if "\ndiff --git a/" not in rest and not rest.startswith("diff --git a/"):
         problems.append(f"{name}: contains no `diff --git a/... b/...` section")
     if not text.endswith("\n"):
