@@ -29,12 +29,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools._common import REPO_ROOT, SERIES_FILE, StackError, read_series, run_main, say
+from tools._common import (
+    REPO_ROOT,
+    SERIES_FILE,
+    StackError,
+    junit_outcomes,
+    read_series,
+    run_main,
+    say,
+)
 from tools.apply import apply_patch, tree_reader, write_state
 
 TOOL = "loo"
@@ -75,21 +82,6 @@ def overlay(site: Path, state: dict[str, list[str] | None], dest: Path) -> None:
     write_state(dest, mine)
 
 
-def outcomes(junit: Path) -> dict[str, str]:
-    """{test id: passed | failed | skipped} from pytest's --junitxml file."""
-    if not junit.exists():
-        raise StackError(f"pytest wrote no {junit}: see the log next to it")
-    result: dict[str, str] = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        tags = {child.tag for child in case}
-        outcome = ("failed" if tags & {"failure", "error"} else
-                   "skipped" if "skipped" in tags else "passed")
-        key = f"{case.get('classname')}::{case.get('name')}"
-        if result.get(key) != "failed":  # a test and its teardown error share a key
-            result[key] = outcome
-    return result
-
-
 def run_tests(python: Path, site: Path, tests: list[str], junit: Path) -> dict[str, str]:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "EAGLE3_STACK_VARIANT": "loo",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(site),
@@ -100,7 +92,7 @@ def run_tests(python: Path, site: Path, tests: list[str], junit: Path) -> dict[s
            "-q", "--tb=no", "--no-header", f"--junitxml={junit}", *tests]
     with junit.with_suffix(".log").open("w") as log:
         subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return outcomes(junit)
+    return {t: o for t, (o, _) in junit_outcomes(junit).items()}
 
 
 def markdown(result: dict) -> str:
