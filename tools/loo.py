@@ -146,13 +146,13 @@ def main() -> int:
             state, dropped = stack_without(source, args.series.parent, names, left_out)
             site = tmpdir / f"site-{len(runs)}"
             overlay(args.site, state, site)
-            label = left_out or "the whole series"
+            label = f"without {left_out}" if left_out else "with the whole series"
             junit = args.out / f"{len(runs):02d}.xml"
             t0 = time.monotonic()
             results = run_tests(args.python, site, args.tests, junit)
             shutil.rmtree(site)
             failed = sorted(t for t, o in results.items() if o == "failed")
-            say(TOOL, f"without {label}" + (f" (and {', '.join(dropped)})" if dropped else "")
+            say(TOOL, label + (f" (and {', '.join(dropped)})" if dropped else "")
                 + f": {len(failed)} of {len(results)} failed, {time.monotonic() - t0:.0f} s")
             runs[left_out] = {"dropped": dropped, "outcomes": results}
     whole = runs.pop(None)["outcomes"]
