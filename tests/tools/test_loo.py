@@ -70,6 +70,10 @@ def setup(tmp_path: Path, names: list[str]) -> list[str]:
     (patches / "series").write_text("".join(f"{n}\n" for n in names))
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_pkg.py").write_text(TESTS)
+    # Without Add-new.patch this module fails to import; the other module's
+    # tests must still run (and not count as needing that patch).
+    (tmp_path / "tests" / "test_new.py").write_text(
+        "from pkg.new import b\n\ndef test_b_at_import():\n    assert b == 1\n")
     return ["--series", str(patches / "series"), "--source", str(tmp_path / "source"),
             "--site", str(tmp_path / "site"), "--python", sys.executable,
             "--out", str(tmp_path / "out"), str(tmp_path / "tests")]
@@ -83,12 +87,12 @@ def test_matrix_names_what_each_patch_is_needed_for(tmp_path: Path):
     assert needs == {
         "Add-a.patch": ["test_a_exists", "test_a_is_two"],
         "Bump-a.patch": ["test_a_is_two"],
-        "Add-new.patch": ["test_b"],
+        "Add-new.patch": ["test_b", "test_b_at_import"],
         "Docs-only.patch": [],
     }
     assert result["patches"]["Add-a.patch"]["dropped"] == ["Bump-a.patch"]
     assert all(not e["dropped"] for n, e in result["patches"].items() if n != "Add-a.patch")
-    assert result["tests_run"] == 4 and result["failing_with_whole_series"] == []
+    assert result["tests_run"] == 5 and result["failing_with_whole_series"] == []
     assert "no test needs: Docs-only.patch" in proc.stdout
     table = (tmp_path / "out" / "loo.md").read_text()
     assert "| Add-a.patch | Bump-a.patch | 2 |" in table
