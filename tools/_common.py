@@ -132,6 +132,25 @@ def series_digest(series: Path = SERIES_FILE) -> str:
     return h.hexdigest()[:8]
 
 
+def junit_outcomes(junit: Path) -> dict[str, tuple[str, str]]:
+    """{test id: (passed | failed | skipped, first line of the failure)} from
+    pytest's own --junitxml file. An error in setup or teardown fails the test."""
+    import xml.etree.ElementTree as ET
+
+    if not junit.exists():
+        raise StackError(f"pytest wrote no {junit}: see its log")
+    result: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        bad = [c for c in case if c.tag in ("failure", "error")]
+        outcome = ("failed" if bad else
+                   "skipped" if any(c.tag == "skipped" for c in case) else "passed")
+        msg = ((bad[0].get("message") or "").splitlines() or [""])[0][:160] if bad else ""
+        key = f"{case.get('classname')}::{case.get('name')}"
+        if result.get(key, ("",))[0] != "failed":  # a test and its teardown error share a key
+            result[key] = (outcome, msg)
+    return result
+
+
 def say(tool: str, msg: str) -> None:
     print(f"[{tool}] {msg}", flush=True)
 

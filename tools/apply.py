@@ -154,46 +154,68 @@ def _find(content: list[str], needle: list[str]) -> int | None:
     return None
 
 
-def apply_series(tree: Path, series: Path, *, check: bool = False) -> list[str]:
-    """Apply every patch of ``series`` onto ``tree``; return the touched paths.
-    Nothing is written unless the whole series applies."""
-    state: dict[str, list[str] | None] = {}  # path -> lines (None: deleted)
+def apply_patch(current, text: str, name: str) -> dict[str, list[str] | None]:
+    """Apply one patch in memory. ``current(path)`` gives a file's lines (None:
+    absent). Returns the new lines of every path it touches (None: deleted),
+    or raises StackError naming the patch and hunk; nothing is changed."""
+    changes: dict[str, list[str] | None] = {}
 
+    def now(path: str) -> list[str] | None:
+        return changes[path] if path in changes else current(path)
+
+    for fp in parse(text, name):
+        path = fp.new_path or fp.old_path
+        assert path is not None
+        old = now(fp.old_path) if fp.old_path else None
+        if fp.old_path is None and now(path) is not None:
+            raise StackError(f"{name}: creates {path}, which already exists")
+        if fp.old_path is not None and old is None:
+            raise StackError(f"{name}: patches {fp.old_path}, which the tree lacks")
+        new = apply_file(old or [], fp, name, path)
+        if fp.old_path and fp.new_path and fp.old_path != fp.new_path:
+            changes[fp.old_path] = None
+        changes[path] = None if fp.new_path is None else new
+    return changes
+
+
+def tree_reader(tree: Path, state: dict[str, list[str] | None]):
+    """``current(path)`` for apply_patch: ``state`` first, then ``tree``."""
     def current(path: str) -> list[str] | None:
         if path not in state:
             f = tree / path
             state[path] = split_lines(f.read_bytes().decode("utf-8")) if f.exists() else None
         return state[path]
+    return current
 
+
+def write_state(tree: Path, state: dict[str, list[str] | None]) -> None:
+    for path, lines in state.items():
+        f = tree / path
+        if lines is None:
+            if f.exists():
+                f.unlink()
+        else:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes("".join(lines).encode("utf-8"))
+
+
+def apply_series(tree: Path, series: Path, *, check: bool = False) -> list[str]:
+    """Apply every patch of ``series`` onto ``tree``; return the touched paths.
+    Nothing is written unless the whole series applies."""
+    state: dict[str, list[str] | None] = {}  # path -> lines (None: deleted)
+    current = tree_reader(tree, state)
     names = read_series(series)
     for name in names:
         patch = series.parent / name
         if not patch.exists():
             raise StackError(f"{series} names {name}, which does not exist")
-        files = parse(patch.read_bytes().decode("utf-8"), name)
-        for fp in files:
-            path = fp.new_path or fp.old_path
-            assert path is not None
-            old = current(fp.old_path) if fp.old_path else None
-            if fp.old_path is None and current(path) is not None:
-                raise StackError(f"{name}: creates {path}, which already exists")
-            if fp.old_path is not None and old is None:
-                raise StackError(f"{name}: patches {fp.old_path}, which does not exist in {tree}")
-            new = apply_file(old or [], fp, name, path)
-            if fp.old_path and fp.new_path and fp.old_path != fp.new_path:
-                state[fp.old_path] = None
-            state[path] = None if fp.new_path is None else new
+        text = patch.read_bytes().decode("utf-8")
+        state.update(apply_patch(current, text, name))
+        files = parse(text, name)
         say(TOOL, f"{'checked' if check else 'applied'} {name} ({len(files)} file(s), "
             f"{sum(len(f.hunks) for f in files)} hunk(s), no fuzz, no offset)")
     if not check:
-        for path, lines in state.items():
-            f = tree / path
-            if lines is None:
-                if f.exists():
-                    f.unlink()
-            else:
-                f.parent.mkdir(parents=True, exist_ok=True)
-                f.write_bytes("".join(lines).encode("utf-8"))
+        write_state(tree, state)
     return sorted(state)
 
 

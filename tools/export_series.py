@@ -1,6 +1,7 @@
 """Export the commits on top of ``stack-base`` back into patches/.
 
     python -m tools.export_series DIR [--check]
+    python -m tools.export_series --for-upstream OUT
 
 Runs ``git format-patch`` with fixed options (no stat, no signature, zero
 commit hash, full index, myers diff, a/ b/ prefixes, 3 lines of context,
@@ -9,20 +10,31 @@ format-patch does but without the ``NNNN-`` number (the series file is the
 only order), and rewrites patches/series keeping its leading comments.
 Re-exporting an unchanged import reproduces every patch byte for byte;
 ``--check`` proves that without writing anything.
+
+``--for-upstream OUT`` writes, from patches/ (left unchanged), the mails to
+send upstream: ``From:`` and the author's ``Signed-off-by:`` become yours
+(``git config user.name`` / ``user.email``), the trailers that mean
+something to this stack only (``Upstream-Status:``) are dropped, every other
+byte is kept. The files are numbered ``NNNN-<name>`` in series order, with a
+``series`` file. Apply them with ``git am --keep-non-patch OUT/*.patch``: a
+plain ``git am`` strips the ``[Tag]`` that starts vLLM's subjects.
 """
 
 from __future__ import annotations
 
 import argparse
+import email.utils
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools._common import PATCHES_DIR, StackError, run_main, say
+from tools._common import PATCHES_DIR, StackError, read_series, run_main, say
 from tools.import_series import BASE_TAG, git
+from tools.lint_series import DOWNSTREAM_TRAILERS
 
 TOOL = "export"
 # tools.import_series.git() hides the user's and the system's git config, so
@@ -55,6 +67,76 @@ def export(repo: Path) -> dict[str, bytes]:
     return result
 
 
+def sender() -> str:
+    """``Name <email>`` from the user's git config: a DCO sign-off certifies a
+    person's right to submit, so it cannot be the stack's project identity."""
+    found = []
+    for key in ("user.name", "user.email"):
+        proc = subprocess.run(["git", "config", key], capture_output=True, text=True)
+        found.append(proc.stdout.strip())
+    if not all(found):
+        raise StackError("git config user.name and user.email must name you, the sender "
+                         "(the sign-off certifies your right to submit): `git config "
+                         "--global user.name 'Your Name'`, `git config --global "
+                         "user.email you@example.org`")
+    return email.utils.formataddr((found[0], found[1]))
+
+
+def for_upstream(mail: str, me: str) -> str:
+    """The mail with ``me`` as From and as the sign-off in place of the
+    author's, and without downstream trailers; every other byte as it was."""
+    head, sep, rest = mail.partition("\n\n")
+    if not sep or not head.startswith("From "):
+        raise StackError("not a git mail (no mbox `From ` line and headers)")
+    headers: list[str] = []
+    author = ""
+    for line in head.split("\n"):
+        if line[:1] in (" ", "\t") and headers and headers[-1].startswith("From: "):
+            author += line  # a folded From header
+            continue
+        if line.startswith("From: "):
+            author = line[len("From: "):]
+            line = f"From: {me}"
+        headers.append(line)
+    author_addr = email.utils.parseaddr(author)[1].lower()
+    cut = min((i for i in (rest.find("\n---\n"), rest.find("\ndiff --git ")) if i >= 0),
+              default=len(rest))
+    message, diff = rest[:cut + 1], rest[cut + 1:]
+    body, _, trailers = message.rstrip("\n").rpartition("\n\n")
+    tail = message[len(message.rstrip("\n")):]
+    drop = {t.lower() for t in DOWNSTREAM_TRAILERS}
+    kept = []
+    for t in trailers.split("\n"):
+        key = t.split(":", 1)[0].strip().lower()
+        if key in drop:
+            continue
+        if key == "signed-off-by" and email.utils.parseaddr(t.split(":", 1)[1])[1].lower() \
+                == author_addr:
+            continue
+        kept.append(t)
+    mine = f"Signed-off-by: {me}"
+    if mine not in kept:
+        kept.append(mine)
+    return "\n".join(headers) + sep + body + "\n\n" + "\n".join(kept) + tail + diff
+
+
+def export_for_upstream(patches: Path, out: Path, me: str) -> list[Path]:
+    if out.exists() and any(out.iterdir()):
+        raise StackError(f"{out} is not empty; choose a new directory (nothing was written)")
+    names = read_series(patches / "series")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for n, name in enumerate(names, 1):
+        try:
+            mail = for_upstream((patches / name).read_text(), me)
+        except StackError as e:
+            raise StackError(f"{name}: {e}") from None
+        written.append(out / f"{n:04d}-{name}")
+        written[-1].write_text(mail)
+    (out / "series").write_text("".join(f"{p.name}\n" for p in written))
+    return written
+
+
 def series_text(old: Path, names: list[str]) -> str:
     header: list[str] = []
     if old.exists():
@@ -68,11 +150,24 @@ def series_text(old: Path, names: list[str]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.export_series",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", type=Path, help="repository made by tools.import_series")
+    ap.add_argument("dir", type=Path, nargs="?",
+                    help="repository made by tools.import_series")
     ap.add_argument("--patches", type=Path, default=PATCHES_DIR)
     ap.add_argument("--check", action="store_true",
                     help="write nothing; fail unless patches/ already matches")
+    ap.add_argument("--for-upstream", type=Path, metavar="OUT",
+                    help="write the series' mails, ready to send, into OUT (new or empty)")
     args = ap.parse_args()
+    if args.for_upstream:
+        if args.dir or args.check:
+            ap.error("--for-upstream reads patches/; it takes no DIR and no --check")
+        me = sender()
+        written = export_for_upstream(args.patches, args.for_upstream, me)
+        say(TOOL, f"{len(written)} mail(s) for upstream in {args.for_upstream}, from "
+            f"{me}; apply with `git am --keep-non-patch {args.for_upstream}/*.patch`")
+        return 0
+    if args.dir is None:
+        ap.error("give DIR (a repository made by tools.import_series) or --for-upstream OUT")
     patches = export(args.dir)
     series = args.patches / "series"
     new_series = series_text(series, list(patches)).encode()

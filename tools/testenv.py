@@ -43,7 +43,10 @@ TOOL = "testenv"
 def say(tool: str, msg: str) -> None:
     # stdout carries only the resulting path (test.sh captures it).
     print(f"[{tool}] {msg}", file=sys.stderr, flush=True)
-TEST_TOOLS = ["pytest"]
+# tblib: upstream's tests/conftest.py imports it (tools.upstream_tests runs
+# upstream's tests in the cpu venv); the version upstream's
+# requirements/test.txt pins for v0.16.0.
+TEST_TOOLS = ["pytest", "tblib==3.1.0"]
 
 
 def _pip(python: Path, *args: str) -> None:
@@ -93,13 +96,17 @@ def _venv(path: Path) -> Path:
     return python
 
 
-def _stamp_ok(path: Path, wheel: Path) -> bool:
+def _stamp_text(wheel: Path, extra: tuple[str, ...] | list[str]) -> str:
+    return f"{wheel.name} {sha256_file(wheel)}\n" + "".join(f"{e}\n" for e in extra)
+
+
+def _stamp_ok(path: Path, wheel: Path, extra: tuple[str, ...] | list[str] = ()) -> bool:
     stamp = path / ".stack-wheel"
-    return stamp.exists() and stamp.read_text() == f"{wheel.name} {sha256_file(wheel)}\n"
+    return stamp.exists() and stamp.read_text() == _stamp_text(wheel, extra)
 
 
-def _stamp(path: Path, wheel: Path) -> None:
-    (path / ".stack-wheel").write_text(f"{wheel.name} {sha256_file(wheel)}\n")
+def _stamp(path: Path, wheel: Path, extra: tuple[str, ...] | list[str] = ()) -> None:
+    (path / ".stack-wheel").write_text(_stamp_text(wheel, extra))
 
 
 def _drop_cpu_alias(python: Path) -> None:
@@ -171,7 +178,8 @@ def make_cpu(root: Path) -> Path:
         _check_disk(path, CPU_VENV_NEEDS_GB)
     python = _venv(path)
     _pip(python, "install", "-q", "--no-deps", SPECULATORS)
-    if _stamp_ok(path, wheel):
+    # The test tools are in the stamp: adding one updates an existing venv.
+    if _stamp_ok(path, wheel, TEST_TOOLS):
         say(TOOL, f"{path} already holds {wheel.name}")
         return python
     torch_pins = [f"{k}=={v}" for k, v in sorted(pin.cpu_env.items())]
@@ -181,7 +189,7 @@ def make_cpu(root: Path) -> Path:
     _pip(python, "install", "-q", *torch_pins, *reqs, *TEST_TOOLS, *extra_args)
     _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
     _drop_cpu_alias(python)
-    _stamp(path, wheel)
+    _stamp(path, wheel, TEST_TOOLS)
     say(TOOL, f"{path}: {wheel.name} on torch {pin.cpu_env.get('torch', '?')}")
     return python
 

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tools.lint_series on small synthetic series: one rule broken at a time."""
+"""tools.lint_series on the committed series, and on small synthetic series with
+one rule broken at a time."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def series_of(tmp_path: Path, **mail) -> Path:
 
 def lint(patches: Path):
     return run_tool("lint_series", "--patches", str(patches))
+
+
+def test_committed_series_is_clean():
+    proc = run_tool("lint_series")
+    assert proc.returncode == 0, proc.stderr
+    assert "all listed" in proc.stdout
 
 
 def test_a_well_formed_mail_passes(tmp_path: Path):

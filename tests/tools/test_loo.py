@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tools.loo on a tiny synthetic series, site and test suite."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from stack_tooling import run_tool
+
+# P1 adds `a`; P2 changes the line P1 added (so it goes when P1 goes); P3
+# adds a module; P4 touches a file outside the site's packages, which no test
+# can see.
+PATCHES = {
+    "Add-a.patch": """--- a/pkg/mod.py
++++ b/pkg/mod.py
+@@ -1 +1,2 @@
+ x = 1
++a = 1
+""",
+    "Bump-a.patch": """--- a/pkg/mod.py
++++ b/pkg/mod.py
+@@ -1,2 +1,2 @@
+ x = 1
+-a = 1
++a = 2
+""",
+    "Add-new.patch": """--- /dev/null
++++ b/pkg/new.py
+@@ -0,0 +1 @@
++b = 1
+""",
+    "Docs-only.patch": """--- a/docs/notes.txt
++++ b/docs/notes.txt
+@@ -1 +1 @@
+-old
++new
+""",
+}
+TESTS = """
+def test_a_exists():
+    from pkg.mod import a  # noqa: F401
+
+def test_a_is_two():
+    from pkg.mod import a
+    assert a == 2
+
+def test_b():
+    from pkg.new import b
+    assert b == 1
+
+def test_x_needs_nothing():
+    from pkg.mod import x
+    assert x == 1
+"""
+
+
+def setup(tmp_path: Path, names: list[str]) -> list[str]:
+    for root in ("source", "site"):
+        (tmp_path / root / "pkg").mkdir(parents=True)
+        (tmp_path / root / "pkg" / "__init__.py").write_text("")
+        (tmp_path / root / "pkg" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "source" / "docs").mkdir()
+    (tmp_path / "source" / "docs" / "notes.txt").write_text("old\n")
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    for name in names:
+        (patches / name).write_text(PATCHES[name])
+    (patches / "series").write_text("".join(f"{n}\n" for n in names))
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_pkg.py").write_text(TESTS)
+    # Without Add-new.patch this module fails to import; the other module's
+    # tests must still run (and not count as needing that patch).
+    (tmp_path / "tests" / "test_new.py").write_text(
+        "from pkg.new import b\n\ndef test_b_at_import():\n    assert b == 1\n")
+    return ["--series", str(patches / "series"), "--source", str(tmp_path / "source"),
+            "--site", str(tmp_path / "site"), "--python", sys.executable,
+            "--out", str(tmp_path / "out"), str(tmp_path / "tests")]
+
+
+def test_matrix_names_what_each_patch_is_needed_for(tmp_path: Path):
+    proc = run_tool("loo", *setup(tmp_path, list(PATCHES)))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "loo.json").read_text())
+    needs = {n: sorted(t.rsplit("::", 1)[1] for t in e["needs"])
+             for n, e in result["patches"].items()}
+    assert needs == {
+        "Add-a.patch": ["test_a_exists", "test_a_is_two"],
+        "Bump-a.patch": ["test_a_is_two"],
+        "Add-new.patch": ["test_b", "test_b_at_import"],
+        "Docs-only.patch": [],
+    }
+    assert result["patches"]["Add-a.patch"]["dropped"] == ["Bump-a.patch"]
+    assert all(not e["dropped"] for n, e in result["patches"].items() if n != "Add-a.patch")
+    assert result["tests_run"] == 5 and result["failing_with_whole_series"] == []
+    assert "no test needs: Docs-only.patch" in proc.stdout
+    table = (tmp_path / "out" / "loo.md").read_text()
+    assert "| Add-a.patch | Bump-a.patch | 2 |" in table
+    assert "| Docs-only.patch | - | **none** |" in table
+    # The overlays were copies: the site itself is untouched.
+    assert (tmp_path / "site" / "pkg" / "mod.py").read_text() == "x = 1\n"
+    assert not (tmp_path / "site" / "pkg" / "new.py").exists()
+
+
+def test_exit_zero_when_every_patch_is_needed(tmp_path: Path):
+    proc = run_tool("loo", *setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-new.patch"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every patch of 3 is needed" in proc.stdout
+
+
+def test_a_series_that_does_not_apply_is_refused(tmp_path: Path):
+    proc = run_tool("loo", *setup(tmp_path, ["Bump-a.patch"]))
+    assert proc.returncode == 1
+    assert "the whole series does not apply" in proc.stderr

