@@ -30,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "regression: behaviour the series must leave unchanged; passes on "
-        "stock v0.16.0 too (exempt from the must-fail-on-stock check)",
+        "stock v0.16.0 too (tools/loo.py shows no patch is needed for it)",
     )
     config.addinivalue_line(
         "markers", "gpu: needs a CUDA GPU; run with the GPU suite command"
@@ -60,44 +60,3 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"vllm.__version__: {version}; distributions: {', '.join(dists) or 'none'}",
         f"stack under test: {os.environ.get('EAGLE3_STACK_VARIANT', 'unspecified')}",
     ]
-
-
-# --- outcome report, read by tools/stock_check.py and tools/test_summary.py ---
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--stack-report",
-        default=None,
-        help="write a JSON file of every test's outcome and whether it is "
-        "marked regression",
-    )
-
-
-_outcomes: dict[str, dict[str, object]] = {}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        _outcomes[item.nodeid] = {
-            "outcome": "not-run",
-            "regression": item.get_closest_marker("regression") is not None,
-        }
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    entry = _outcomes.setdefault(report.nodeid, {"regression": False})
-    if report.failed:
-        entry["outcome"] = "failed"
-    elif report.skipped and entry.get("outcome") != "failed":
-        entry["outcome"] = "skipped"
-    elif report.when == "call" and report.passed and entry.get("outcome") != "failed":
-        entry["outcome"] = "passed"
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    path = session.config.getoption("--stack-report")
-    if path:
-        import json
-
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(_outcomes, indent=1, sort_keys=True))

@@ -44,20 +44,19 @@ from tools._common import (
     series_digest,
     sha256_file,
 )
-from tools.apply import apply_series, parse
+from tools.apply import apply_series, touched_paths
 from tools.fetch import ensure, offline_default
 
 TOOL = "build"
 
 
-def touched_paths(series: Path) -> list[str]:
+def series_paths(series: Path) -> list[str]:
     paths: set[str] = set()
     for name in read_series(series):
         patch = series.parent / name
         if not patch.exists():
             raise StackError(f"{series} names {name}, which does not exist")
-        for fp in parse(patch.read_bytes().decode("utf-8"), name):
-            paths.update(p for p in (fp.old_path, fp.new_path) if p)
+        paths.update(touched_paths(patch))
     return sorted(paths)
 
 
@@ -67,7 +66,7 @@ def stage_patched(sdist: Path, series: Path, stage: Path) -> dict[str, bytes | N
     deleted}, plus the pristine bytes under ``stage/.orig``."""
     if stage.exists():
         shutil.rmtree(stage)
-    paths = touched_paths(series)
+    paths = series_paths(series)
     with tarfile.open(sdist) as tar:
         top = tar.next().name.split("/", 1)[0]  # type: ignore[union-attr]
         for p in paths:

