@@ -13,6 +13,10 @@
 #   e2e-rest the GPU tests outside test_eagle3_e2e.py
 #   probe  what happens when GLM-5 (glm_moe_dsa) is served in the harness
 #   bench  tools/gpu_harness/bench_eagle3.py (train a drafter, measure)
+#   prod   prod_check.py offline: MLA targets, production settings, vllm.LLM
+#   server prod_check.py server: the OpenAI server, openai client, /metrics
+#   bench-prod  bench_eagle3.py --profile production (BENCH_ARGS adds flags)
+#   cache  bench_eagle3.py cache: two drafters, one compile-cache directory
 # Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
 # Stops before the 10-minute limit of one device call (BUDGET_S, default 570).
 set -uo pipefail
@@ -65,10 +69,14 @@ for s in $STAGES; do
     e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py ;;
     probe) stage probe 150 "$OUT/probe.log" python3 tools/gpu_harness/probe_glm5.py ;;
     bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
+    prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" ;;
+    server) stage server ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --out "$OUT/prod" ;;
+    bench-prod) stage bench-prod ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --profile production --out "$OUT/bench" ${BENCH_ARGS:-} ;;
+    cache) stage cache ${CACHE_LIMIT_S:-300} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/bench" ${CACHE_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/probe.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT" "$f" | tail -20; }; done
+for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/probe.log "$OUT"/prod.log "$OUT"/cache.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT|^RUN|^AGREE|^SERVER|^CACHE" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error" "$OUT/bench.log" | cut -c1-1500 | tail -14; }
 exit 0
