@@ -3,7 +3,8 @@
 # The whole GPU harness run on the lent device, from the repository root:
 #   bash tools/gpu_harness/device_run.sh [STAGE...]
 # Stages (default: ops e2e probe bench): setup always runs first.
-#   ops    CPU+CUDA tests of the torch ops (tests/e2e/gpu/test_harness_ops.py)
+#   ops    CPU+CUDA tests of the torch ops (tests/e2e/gpu/test_harness_ops.py;
+#          OPS_K narrows them with pytest -k)
 #   diag   tools/gpu_harness/diag.py (engine core in-process, stack dumps on a
 #          stall); if it fails it is rerun once with TORCHDYNAMO_DISABLE=1 and,
 #          if that works, the later stages keep TORCHDYNAMO_DISABLE=1
@@ -49,7 +50,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv
 E2E_OK=1
 for s in $STAGES; do
   case $s in
-    ops) stage ops 150 "$OUT/setup.log" python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/gpu/test_harness_ops.py ;;
+    ops) stage ops 150 "$OUT/setup.log" python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/gpu/test_harness_ops.py ${OPS_K:+-k "$OPS_K"} ;;
     diag)
       stage diag 130 "$OUT/diag.log" env DIAG_MODES=${DIAG_MODES:-plain,eagle3} python3 tools/gpu_harness/diag.py
       if (( $? != 0 )); then
