@@ -471,12 +471,14 @@ def _scatter_rows(rows_view: torch.Tensor, slots: torch.Tensor, new: torch.Tenso
     slots = slots.to(torch.int64)
     valid = slots >= 0
     any_valid = valid.any()
-    ref = torch.argmax(valid.to(torch.int32))
-    ref_slot = torch.where(any_valid, slots[ref], torch.zeros_like(slots[ref]))
-    ref_row = torch.where(any_valid, new[ref], rows_view[0])
+    # index_select, not slots[ref]: indexing with a 0-dim tensor reads it on
+    # the host, which CUDA-graph capture forbids.
+    ref = torch.argmax(valid.to(torch.int32)).view(1)
+    ref_slot = torch.where(any_valid, slots.index_select(0, ref), torch.zeros_like(ref))
+    ref_row = torch.where(any_valid, new.index_select(0, ref), rows_view[:1])
     dest = torch.where(valid, slots, ref_slot)
     shape = (-1,) + (1,) * (new.dim() - 1)
-    src = torch.where(valid.view(shape), new, ref_row.unsqueeze(0))
+    src = torch.where(valid.view(shape), new, ref_row)
     rows_view.index_copy_(0, dest, src)
 
 
@@ -488,11 +490,18 @@ def concat_and_cache_mla(
     kv_cache_dtype: str,
     scale: torch.Tensor,
 ) -> None:
-    """kv_cache[slot // block_size, slot % block_size] = [kv_c | k_pe] for the
-    first slot_mapping.size(0) tokens (kv_c may hold more rows: CUDA-graph
-    padding); slot -1 is skipped. Unquantized caches only (a plain copy)."""
+    """kv_cache[slot // block_size, slot % block_size] = [kv_c | k_pe] for
+    each token with slot >= 0 (slot -1 marks padding). Unquantized caches only
+    (a plain copy).
+
+    The kernel walks slot_mapping.size(0) tokens. Either side may be longer:
+    kv_c holds CUDA-graph padding rows, and under speculative decoding vLLM
+    passes kv_c cut to the actual tokens with a padded slot_mapping, whose
+    extra entries are -1 (the kernel reads past the cut into the padding of
+    the same buffer and skips them). Here tokens past either length are
+    skipped."""
     _require_auto_cache(kv_cache_dtype, "concat_and_cache_mla")
-    n = slot_mapping.size(0)
+    n = min(slot_mapping.size(0), kv_c.size(0), k_pe.size(0))
     rank, pe = kv_c.size(1), k_pe.size(1)
     if kv_cache.size(2) != rank + pe:
         raise RuntimeError(f"kv_cache.size(2) {kv_cache.size(2)} != kv_lora_rank {rank} + pe_dim {pe}")
@@ -515,9 +524,10 @@ def reshape_and_cache_flash(
 ) -> None:
     """key_cache[slot // bs, slot % bs] = key[i] (and the same for value) for
     i < slot_mapping.size(0), slot -1 skipped; caches are [num_blocks,
-    block_size, heads, head_size] views in any stride order."""
+    block_size, heads, head_size] views whose block and page strides merge.
+    Tokens past key.size(0) are skipped (see concat_and_cache_mla)."""
     _require_auto_cache(kv_cache_dtype, "reshape_and_cache_flash")
-    n = slot_mapping.size(0)
+    n = min(slot_mapping.size(0), key.size(0), value.size(0))
     bs = key_cache.size(1)
     slots = slot_mapping.reshape(-1)[:n].to(torch.int64)
     for src, cache in ((key, key_cache), (value, value_cache)):

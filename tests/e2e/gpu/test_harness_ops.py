@@ -811,6 +811,20 @@ def test_concat_and_cache_mla(device, dtype, case):
     assert torch.equal(cache, expect)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_concat_and_cache_mla_padded_slot_mapping(device):
+    # Under speculative decoding vLLM cuts kv_c to the actual tokens and
+    # passes a slot mapping padded with -1 (seen on the H200: 3 rows, 4 slots).
+    kv_c = _randn((3, 512), torch.bfloat16, device, seed=14)
+    k_pe = _randn((3, 64), torch.bfloat16, device, seed=15)
+    cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16, device=device)
+    sm = torch.tensor([6, 1, 4, -1], device=device)
+    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, sm, "auto", torch.ones(1, device=device))
+    for i, s_ in enumerate([6, 1, 4]):
+        assert torch.equal(cache[s_ // 4, s_ % 4], torch.cat([kv_c[i], k_pe[i]]))
+    assert int((cache.abs().sum(-1) != 0).sum()) == 3
+
+
 def test_concat_and_cache_mla_refuses_quantized_cache():
     with pytest.raises(NotImplementedError, match="fp8"):
         CACHE.concat_and_cache_mla(torch.zeros(1, 512), torch.zeros(1, 64),
