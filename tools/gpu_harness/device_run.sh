@@ -79,5 +79,5 @@ for s in $STAGES; do
 done
 echo "== summary"; cat "$OUT/summary.log"
 for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/probe.log "$OUT"/prod.log "$OUT"/cache.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT|^RUN|^AGREE|^SERVER|^CACHE" "$f" | cut -c1-1200 | tail -24; }; done
-[[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error" "$OUT/bench.log" | cut -c1-1500 | tail -14; }
+[[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
 exit 0
