@@ -603,7 +603,8 @@ def cache_check(out_dir: Path, artifacts: Path, tag: str) -> None:
     import tempfile
 
     h.configure_env()
-    target, trained, shifted = (artifacts / n for n in ("deepseek_v3", "drafter_trained", "drafter_shifted"))
+    target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
+    shifted = _write_shifted(trained, Path(tempfile.mkdtemp()) / "drafter_shifted", SHIFTED_AUX_IDS)
     eval_prompts = _prompts(8, seed=1000)
     root = Path(tempfile.mkdtemp(prefix=f"vllm-cache-{tag}-"))
     os.environ["VLLM_CACHE_ROOT"] = str(root)
@@ -621,6 +622,21 @@ def cache_check(out_dir: Path, artifacts: Path, tag: str) -> None:
     res["aot_dirs"] = sorted(str(p.relative_to(root)) for p in root.glob("torch_aot_compile/*"))
     print("CACHE", tag, "dirs", json.dumps({"compile": res["cache_dirs"], "aot": res["aot_dirs"]}), flush=True)
     (out_dir / f"cache_{tag}.json").write_text(json.dumps(res, indent=1))
+
+
+def control(out_dir: Path, artifacts: Path, ids: list[int]) -> None:
+    """The trained drafter served with other aux layer ids (same weights), batch 8."""
+    import tempfile
+
+    h.configure_env()
+    target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
+    name = "_".join(str(i) for i in ids)
+    d = _write_shifted(trained, Path(tempfile.mkdtemp()) / f"drafter_ids_{name}", ids)
+    r, _, _ = bench_engine(target, d, _prompts(max(PROD_BATCHES), seed=1000), batches=(8,))
+    res = {"aux_layer_ids": ids, "profile": h.profile(), "engine_start_s": r["engine_start_s"],
+           **_summary(r["batch8"])}
+    print("CONTROL", json.dumps(res), flush=True)
+    (out_dir / f"control_{name}.json").write_text(json.dumps(res, indent=1))
 
 
 def main(argv=None):
@@ -646,6 +662,11 @@ def main(argv=None):
     k.add_argument("--artifacts", type=Path, required=True, help="unpacked artifacts.tar.gz of a bench run")
     k.add_argument("--tag", default="patched")
     k.add_argument("--profile", choices=h.PROFILES, default="production")
+    o = sub.add_parser("control")
+    o.add_argument("--out", type=Path, required=True)
+    o.add_argument("--artifacts", type=Path, required=True)
+    o.add_argument("--ids", required=True, help="aux layer ids, e.g. 6,3,1")
+    o.add_argument("--profile", choices=h.PROFILES, default="production")
     args = ap.parse_args(argv)
     if getattr(args, "profile", None):
         os.environ["EAGLE3_GPU_PROFILE"] = args.profile
@@ -655,6 +676,9 @@ def main(argv=None):
                 random_drafter=not args.no_random_drafter)
     elif args.cmd == "train-target":
         args.out.write_text(json.dumps(train_target(args.target, args.steps)))
+    elif args.cmd == "control":
+        args.out.mkdir(parents=True, exist_ok=True)
+        control(args.out, args.artifacts, [int(x) for x in args.ids.split(",")])
     elif args.cmd == "cache":
         args.out.mkdir(parents=True, exist_ok=True)
         cache_check(args.out, args.artifacts, args.tag)

@@ -18,6 +18,8 @@
 #   server prod_check.py server: the OpenAI server, openai client, /metrics
 #   bench-prod  bench_eagle3.py --profile production (BENCH_ARGS adds flags)
 #   cache  bench_eagle3.py cache: two drafters, one compile-cache directory
+#   cache-nopatch  the same without the compile-cache patch (NOPATCH_FILE)
+#   control  bench_eagle3.py control: the trained drafter with other aux ids
 # Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
 # Stops before the 10-minute limit of one device call (BUDGET_S, default 570).
 set -uo pipefail
@@ -70,14 +72,23 @@ for s in $STAGES; do
     e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py ;;
     probe) stage probe 150 "$OUT/probe.log" python3 tools/gpu_harness/probe_glm5.py ;;
     bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
-    prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" ;;
-    server) stage server ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --out "$OUT/prod" ;;
+    prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" ${PROD_ARGS:-} ;;
+    server) stage server ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --out "$OUT/prod" ${SERVER_ARGS:-} ;;
+    control) stage control ${CONTROL_LIMIT_S:-90} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py control --out "$OUT/prod" ${CONTROL_ARGS:-} ;;
+    cache-nopatch)
+      # vLLM's tree with one file replaced by its state without the compile-cache
+      # patch (NOPATCH_FILE: vllm/config/speculative.py taken from
+      # prepare.py --without's tarball), ahead of the full site on PYTHONPATH.
+      rm -rf /tmp/site-nopatch && mkdir -p /tmp/site-nopatch && cp -r "$SITE/vllm" /tmp/site-nopatch/ \
+        && cp "$NOPATCH_FILE" /tmp/site-nopatch/vllm/config/speculative.py \
+        && stage cache-nopatch ${CACHE_LIMIT_S:-300} "$OUT/cache.log" env PYTHONPATH="/tmp/site-nopatch:$SITE" \
+             python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" --tag without-compile-cache-patch ${CACHE_ARGS:-} ;;
     bench-prod) stage bench-prod ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --profile production --out "$OUT/bench" ${BENCH_ARGS:-} ;;
-    cache) stage cache ${CACHE_LIMIT_S:-300} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/bench" ${CACHE_ARGS:-} ;;
+    cache) stage cache ${CACHE_LIMIT_S:-300} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" ${CACHE_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/probe.log "$OUT"/prod.log "$OUT"/cache.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT|^RUN|^AGREE|^SERVER|^CACHE" "$f" | cut -c1-1200 | tail -24; }; done
+for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/probe.log "$OUT"/prod.log "$OUT"/cache.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
 exit 0

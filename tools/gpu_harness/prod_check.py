@@ -95,7 +95,7 @@ def _run(name, model, prompts, drafter=None, **extra):
     return rec
 
 
-def offline(out: Path, work: Path) -> None:
+def offline(out: Path, work: Path, only: str | None = None) -> None:
     h.configure_env()
     m = write_models(work)
     dsv3_prompts = h.token_prompts([3, 17, 41, 90], seed=h.DSV3_PROMPT_SEED)
@@ -106,6 +106,8 @@ def offline(out: Path, work: Path) -> None:
          [("llama_drafter", m["llama_drafter"]), ("mla_drafter_kimi_k2", m["mla_drafter_kimi_k2"])]),
     ]
     for target, prompts, extra, drafters in pairs:
+        if only and target != only:
+            continue
         plain = _run(f"{target}/plain", m[target], prompts, **extra)
         runs.append(plain)
         for dname, dpath in drafters:
@@ -114,17 +116,24 @@ def offline(out: Path, work: Path) -> None:
                 spec["agreement_with_plain"] = h.token_agreement(plain["tokens"], spec["tokens"])
                 print("AGREE", spec["name"], json.dumps(spec["agreement_with_plain"]), flush=True)
             runs.append(spec)
-    (out / "prod_offline.json").write_text(json.dumps(
+    (out / f"prod_offline{'_' + only if only else ''}.json").write_text(json.dumps(
         {"profile": h.profile(), "harness": h.harness_in_use(), "runs": runs}, indent=1))
 
 
-def server(out: Path, work: Path, port: int = 8011) -> None:
+def server(out: Path, work: Path, port: int = 8011, target: Path | None = None,
+           drafter: Path | None = None) -> None:
+    """With --target/--drafter (e.g. bench_eagle3.py's trained pair) the
+    prompts are token ids of the bench's skip-rule language, so /metrics
+    shows the acceptance the trained drafter reaches through the server."""
     h.configure_env()
-    m = write_models(work)
-    spec = json.dumps({"method": "eagle3", "model": str(m["llama_drafter"]),
+    rule_prompts = target is not None
+    if target is None:
+        m = write_models(work)
+        target, drafter = m["deepseek_v3"], m["llama_drafter"]
+    spec = json.dumps({"method": "eagle3", "model": str(drafter),
                        "num_speculative_tokens": h.NUM_SPEC_TOKENS})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(m["deepseek_v3"]), "--dtype", "bfloat16", "--max-model-len", "1024",
+           "--model", str(target), "--dtype", "bfloat16", "--max-model-len", "1024",
            "--max-num-seqs", "16", "--gpu-memory-utilization", str(h.GPU_MEMORY_UTILIZATION),
            "--speculative-config", spec, "--port", str(port), "--seed", "0"]
     log = open(out / "server.log", "w")
@@ -147,16 +156,22 @@ def server(out: Path, work: Path, port: int = 8011) -> None:
         import openai
 
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
-        prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3)
-                   for i in range(12)]
+        if rule_prompts:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_eagle3 import _prompts
+
+            prompts = [p["prompt_token_ids"] for p in _prompts(16, seed=2000)]
+        else:
+            prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3)
+                       for i in range(16)]
 
         def one(p):
-            r = client.completions.create(model=str(m["deepseek_v3"]), prompt=p, max_tokens=40,
+            r = client.completions.create(model=str(target), prompt=p, max_tokens=40,
                                           temperature=0.0)
             return r.choices[0].text, r.usage.completion_tokens
 
         t1 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=12) as ex:
+        with ThreadPoolExecutor(max_workers=16) as ex:
             res = list(ex.map(one, prompts))
         rec["concurrent_requests"] = len(prompts)
         rec["completion_tokens"] = [n for _, n in res]
@@ -164,6 +179,16 @@ def server(out: Path, work: Path, port: int = 8011) -> None:
         metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
         rec["metrics"] = [ln for ln in metrics.splitlines()
                           if ln.startswith("vllm:spec_decode") or ln.startswith("vllm:generation_tokens")]
+        vals = {}
+        for ln in rec["metrics"]:
+            name = ln.split("{")[0].split(" ")[0]
+            if not ln.startswith("#") and name in ("vllm:spec_decode_num_drafts_total",
+                                                   "vllm:spec_decode_num_accepted_tokens_total",
+                                                   "vllm:spec_decode_num_draft_tokens_total"):
+                vals[name] = vals.get(name, 0.0) + float(ln.split()[-1])
+        drafts = vals.get("vllm:spec_decode_num_drafts_total", 0.0)
+        if drafts:
+            rec["mean_acceptance_length"] = 1 + vals.get("vllm:spec_decode_num_accepted_tokens_total", 0) / drafts
         rec["ok"] = all(n == 40 for _, n in res) and any(
             ln.startswith("vllm:spec_decode_num_drafts") and float(ln.split()[-1]) > 0
             for ln in rec["metrics"])
@@ -185,10 +210,16 @@ def main(argv=None):
     ap.add_argument("what", choices=["offline", "server"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/eagle3_prod_work"))
+    ap.add_argument("--only", choices=["deepseek_v3", "kimi_k25"], help="offline: one target")
+    ap.add_argument("--target", type=Path, help="server: target checkpoint (default: tiny random)")
+    ap.add_argument("--drafter", type=Path, help="server: EAGLE-3 drafter for --target")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    (offline if args.what == "offline" else server)(args.out, args.work)
+    if args.what == "offline":
+        offline(args.out, args.work, args.only)
+    else:
+        server(args.out, args.work, target=args.target, drafter=args.drafter)
 
 
 if __name__ == "__main__":
