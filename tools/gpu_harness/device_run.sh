@@ -64,14 +64,14 @@ for s in $STAGES; do
       fi ;;
     e2e)
       (( E2E_OK )) || continue
-      stage e2e ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu}
+      stage e2e ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_acceptance.py}
       if (( $? != 0 )) && grep -qE "torch\._dynamo|torch\._inductor|BackendCompilerFailed" "$OUT/e2e.log"; then
         echo "== e2e: rerun with TORCHDYNAMO_DISABLE=1" | tee -a "$OUT/summary.log"
         export TORCHDYNAMO_DISABLE=1
-        stage e2e-nodynamo ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu}
+        stage e2e-nodynamo ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_acceptance.py}
       fi
-      grep -qE "PASSED.*test_deepseek_v3_eagle3_greedy_equals_plain|test_deepseek_v3_eagle3_greedy_equals_plain PASSED" "$OUT/e2e.log" || E2E_OK=0 ;;
-    e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py ;;
+      grep -qE "PASSED.*test_smoke_deepseek_v3_eagle3_greedy_equals_plain|test_smoke_deepseek_v3_eagle3_greedy_equals_plain PASSED" "$OUT/e2e.log" || E2E_OK=0 ;;
+    e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py --deselect tests/e2e/gpu/test_eagle3_acceptance.py ;;
     probe) stage probe 150 "$OUT/probe.log" python3 tools/gpu_harness/probe_glm5.py ;;
     bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
     prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" ${PROD_ARGS:-} ;;

@@ -46,6 +46,10 @@ NUM_SPEC_TOKENS = 3
 GPU_MEMORY_UTILIZATION = float(os.environ.get("EAGLE3_GPU_MEM_UTIL", "0.12"))
 
 PROFILES = ("smoke", "production", "eager")
+SMOKE_ONLY = (
+    "smoke test: asserts token-for-token greedy equality, which needs the float32 "
+    "smoke profile; production settings are proven by test_eagle3_acceptance.py"
+)
 
 
 def profile() -> str:
