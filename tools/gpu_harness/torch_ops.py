@@ -727,7 +727,7 @@ def _referenced_only(qualname: str) -> Callable:
         raise NotImplementedError(
             f"{qualname} is only referenced (by vllm/compilation fusion-pass "
             "tables, at import time) in the GPU harness; it has no torch "
-            "implementation here, and with enforce_eager it is never called"
+            "implementation here; the unquantized harness models never call it"
         )
 
     return impl
