@@ -2,7 +2,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """EAGLE-3 on a tiny DeepSeek-V3 target: train a drafter briefly, then measure.
 
-    python tools/gpu_harness/bench_eagle3.py all --out DIR
+    python tools/gpu_harness/bench_eagle3.py all --out DIR [--profile production]
+    python tools/gpu_harness/bench_eagle3.py control --artifacts A --ids 6,3,1 --out DIR
+    python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR [--tag T]
+
+``--profile`` picks the engine settings of tests/e2e/gpu/gpu_e2e_helpers.py
+(smoke: float32, eager, MLA off; production: bf16, MLA with the published
+latent geometry, torch.compile + CUDA graphs). In production the run also
+measures batch 32, serves the trained drafter with its aux layer ids shifted
+by one (a control: same weights, other layers), serves it once more in eager
+mode (the reference the compiled numbers must match), reports speedup and
+efficiency (speedup / acceptance length), and packs the trained target and
+drafter into DIR/artifacts.tar.gz for ``control`` and ``cache`` (two drafters
+served in turn with one VLLM_CACHE_ROOT) in a later call.
 
 0. Give the tiny target something to say: a random target continues random
    prompts with near-uniform logits, which no drafter can predict (measured:
@@ -441,7 +453,6 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
     """The whole benchmark in the active profile (EAGLE3_GPU_PROFILE). Every
     stage is recorded in DIR/bench_eagle3.json as soon as it ends; a failing
     stage is recorded with its error and the stages that need it are skipped."""
-    import shutil
     import traceback
 
     h.configure_env()
@@ -569,7 +580,6 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
             os.environ["EAGLE3_GPU_PROFILE"] = prof
     save()
     _print_table(results, batches)
-    shutil.rmtree(work / "aux_unused", ignore_errors=True)
 
 
 def _print_table(results, batches):
