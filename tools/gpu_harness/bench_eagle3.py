@@ -2,7 +2,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """EAGLE-3 on a tiny DeepSeek-V3 target: train a drafter briefly, then measure.
 
-    python tools/gpu_harness/bench_eagle3.py all --out DIR
+    python tools/gpu_harness/bench_eagle3.py all --out DIR [--profile production]
+    python tools/gpu_harness/bench_eagle3.py control --artifacts A --ids 6,3,1 --out DIR
+    python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR [--tag T]
+
+``--profile`` picks the engine settings of tests/e2e/gpu/gpu_e2e_helpers.py
+(smoke: float32, eager, MLA off; production: bf16, MLA with the published
+latent geometry, torch.compile + CUDA graphs). In production the run also
+measures batch 32, serves the trained drafter with its aux layer ids shifted
+by one (a control: same weights, other layers), serves it once more in eager
+mode (the reference the compiled numbers must match), reports speedup and
+efficiency (speedup / acceptance length), and packs the trained target and
+drafter into DIR/artifacts.tar.gz for ``control`` and ``cache`` (two drafters
+served in turn with one VLLM_CACHE_ROOT) in a later call.
 
 0. Give the tiny target something to say: a random target continues random
    prompts with near-uniform logits, which no drafter can predict (measured:
@@ -60,6 +72,8 @@ K = 3
 GEN_TOKENS = 128
 N_TRAIN = 512
 BENCH_BATCHES = (1, 8)
+PROD_BATCHES = (1, 8, 32)
+SHIFTED_AUX_IDS = (0, 2, 5)  # the trained drafter's (1, 3, 6), each one layer earlier
 RULE_SEED = 7
 RULE_NOISE = 0.15
 TARGET_SEQ_LEN = 96
@@ -171,12 +185,14 @@ def _timed(llm, prompts, batch):
     return outs, {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, **delta}
 
 
-def bench_engine(model, drafter, eval_prompts, train_prompts=None):
+def bench_engine(model, drafter, eval_prompts, train_prompts=None, batches=BENCH_BATCHES):
+    t0 = time.perf_counter()
     llm = _llm(model, drafter)
+    start_s = time.perf_counter() - t0
     try:
         _timed(llm, eval_prompts[:2], 2)  # warm-up: Triton JIT, allocator
-        res, outs = {}, {}
-        for b in BENCH_BATCHES:
+        res, outs = {"engine_start_s": start_s, "profile": h.profile()}, {}
+        for b in batches:
             outs[b], res[f"batch{b}"] = _timed(llm, eval_prompts[: max(4, b)], b)
         train = None
         if train_prompts is not None:
@@ -200,6 +216,7 @@ def capture(target, drafter, seqs_path, out_path):
     seqs = json.loads(Path(seqs_path).read_text())
     index = {tuple(s): i for i, s in enumerate(seqs)}
     llm = _llm(target, drafter, max_num_batched_tokens=16384)
+    print(f"capture engine: profile {h.profile()}", flush=True)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     proposer = runner.drafter
     orig = proposer.propose
@@ -406,75 +423,230 @@ def predicted_acceptance_length(acc: list[float]) -> float:
 # ---------------------------------------------------------------------------
 
 
-def run_all(out_dir: Path, work: Path, steps: int, target_steps: int):
+def _write_shifted(trained: Path, out: Path, ids) -> Path:
+    """The trained drafter with its aux layer ids replaced (same weights)."""
+    import shutil
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(trained, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = list(ids)
+    cfg.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(ids)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _agreement(outs, plain_outs):
+    keys = sorted(set(outs) & set(plain_outs))
+    a = [t for b in keys for t in outs[b]]
+    p = [t for b in keys for t in plain_outs[b]]
+    return h.token_agreement(p, a)
+
+
+def _summary(m):
+    return {k: m.get(k) for k in ("tokens_per_s", "mean_acceptance_length", "accepted_per_position",
+                                  "num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+
+
+def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_drafter: bool = True):
+    """The whole benchmark in the active profile (EAGLE3_GPU_PROFILE). Every
+    stage is recorded in DIR/bench_eagle3.json as soon as it ends; a failing
+    stage is recorded with its error and the stages that need it are skipped."""
+    import traceback
+
     h.configure_env()
     work.mkdir(parents=True, exist_ok=True)
     tiny = h._tiny()
+    prof = h.profile()
+    ckw = h.checkpoint_kwargs()
+    dkw = {"dtype": ckw["dtype"]} if ckw else {}
     target = work / "deepseek_v3"
     rnd = work / "drafter_random"
     trained = work / "drafter_trained"
-    tiny.write_checkpoint("deepseek-v3", target, seed=0)
-    tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, draft_vocab_size=tiny.VOCAB_SIZE, **h.DRAFTER_SHAPE)
-    results = {"k": K, "gen_tokens": GEN_TOKENS, "target": tiny.deepseek_v3_text_config(),
-               "dtype": "float32"}
-    r = subprocess.run([sys.executable, __file__, "train-target", "--target", str(target),
-                        "--steps", str(target_steps), "--out", str(work / "target_training.json")],
-                       capture_output=True, text=True)
-    (work / "target_training.log").write_text(r.stdout + r.stderr)
-    if r.returncode != 0:
-        raise SystemExit(f"target training failed:\n{(r.stdout + r.stderr)[-6000:]}")
-    results["target_training"] = json.loads((work / "target_training.json").read_text())
-    print("RESULT target_training", json.dumps(
-        {k: v for k, v in results["target_training"].items() if k != "log"}), flush=True)
+    tiny.write_checkpoint("deepseek-v3", target, seed=0, **ckw)
+    tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, draft_vocab_size=tiny.VOCAB_SIZE,
+                          **h.DRAFTER_SHAPE, **dkw)
+    batches = PROD_BATCHES if prof != "smoke" else BENCH_BATCHES
+    results = {"k": K, "gen_tokens": GEN_TOKENS, "profile": prof, "batches": list(batches),
+               "target": json.loads((target / "config.json").read_text()),
+               "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    out_json = out_dir / "bench_eagle3.json"
 
-    eval_prompts = _prompts(8, seed=1000)
+    def save():
+        out_json.write_text(json.dumps(results, indent=1))
+
+    def stage(name, fn):
+        t0 = time.perf_counter()
+        try:
+            val = fn()
+            shown = val[0] if isinstance(val, tuple) else val
+            if isinstance(shown, dict):
+                shown = {k: (_summary(v) if isinstance(v, dict) and "tokens_per_s" in v else v)
+                         for k, v in shown.items() if k != "log"}
+            print(f"RESULT {name} ({time.perf_counter() - t0:.0f} s)", json.dumps(shown), flush=True)
+            return val
+        except BaseException as e:  # noqa: BLE001 - recorded; later stages decide
+            results.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-4000:]}"
+            print(f"RESULT {name} FAILED: {type(e).__name__}: {e}", flush=True)
+            return None
+        finally:
+            save()
+
+    def train_tgt():
+        r = subprocess.run([sys.executable, __file__, "train-target", "--target", str(target),
+                            "--steps", str(target_steps), "--out", str(work / "target_training.json")],
+                           capture_output=True, text=True)
+        (work / "target_training.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise RuntimeError(f"target training failed:\n{(r.stdout + r.stderr)[-4000:]}")
+        return json.loads((work / "target_training.json").read_text())
+
+    results["target_training"] = stage("target_training", train_tgt)
+    if results["target_training"] is None:
+        return
+
+    eval_prompts = _prompts(max(8, max(batches)), seed=1000)
     train_prompts = _prompts(N_TRAIN, seed=1)
 
-    results["plain"], plain_outs, train_outs = bench_engine(target, None, eval_prompts, train_prompts)
+    got = stage("plain", lambda: bench_engine(target, None, eval_prompts, train_prompts, batches))
+    if got is None:
+        return
+    results["plain"], plain_outs, train_outs = got[0], got[1], got[2]
+    save()
     seqs = [p["prompt_token_ids"] + o for p, o in zip(train_prompts, train_outs)]
     prompt_lens = [len(p["prompt_token_ids"]) for p in train_prompts]
     (work / "seqs.json").write_text(json.dumps(seqs))
-    print("RESULT plain", json.dumps(results["plain"]), flush=True)
 
-    results["eagle3_random"], rnd_outs, _ = bench_engine(target, rnd, eval_prompts)
-    results["eagle3_random"]["equal_to_plain"] = rnd_outs == plain_outs
-    print("RESULT eagle3_random", json.dumps(results["eagle3_random"]), flush=True)
+    if random_drafter:
+        got = stage("eagle3_random", lambda: bench_engine(target, rnd, eval_prompts, batches=batches))
+        if got is not None:
+            results["eagle3_random"] = got[0]
+            results["eagle3_random"]["agreement_with_plain"] = _agreement(got[1], plain_outs)
+            results["eagle3_random"]["equal_to_plain"] = got[1] == plain_outs
 
-    r = subprocess.run(
-        [sys.executable, __file__, "capture", "--target", str(target), "--drafter", str(rnd),
-         "--seqs", str(work / "seqs.json"), "--out", str(work / "aux.pt")],
-        capture_output=True, text=True,
-    )
-    (work / "capture.log").write_text(r.stdout + r.stderr)
-    if r.returncode != 0:
-        raise SystemExit(f"capture failed ({work / 'capture.log'}):\n{(r.stdout + r.stderr)[-6000:]}")
-    print(r.stdout.strip().splitlines()[-1], flush=True)
+    def cap():
+        r = subprocess.run(
+            [sys.executable, __file__, "capture", "--target", str(target), "--drafter", str(rnd),
+             "--seqs", str(work / "seqs.json"), "--out", str(work / "aux.pt")],
+            capture_output=True, text=True)
+        (work / "capture.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise RuntimeError(f"capture failed:\n{(r.stdout + r.stderr)[-6000:]}")
+        return r.stdout.strip().splitlines()[-1]
 
-    results["training"] = train(target, rnd, seqs, prompt_lens, work / "aux.pt", trained, steps)
+    results["capture"] = stage("capture", cap)
+    if results["capture"] is None:
+        return
+    tr = stage("training", lambda: train(target, rnd, seqs, prompt_lens, work / "aux.pt", trained, steps))
+    if tr is None:
+        return
+    tr["predicted_acceptance_length"] = predicted_acceptance_length(tr["kept_val_acc"])
+    results["training"] = tr
+    shifted = _write_shifted(trained, work / "drafter_shifted", SHIFTED_AUX_IDS)
+    # The weights, for later calls (compile cache, server): a few MB.
+    import tarfile
+    with tarfile.open(out_dir / "artifacts.tar.gz", "w:gz") as tf:
+        for d in (target, trained, shifted):
+            tf.add(d, arcname=d.name)
+    save()
 
-    results["training"]["predicted_acceptance_length"] = predicted_acceptance_length(
-        results["training"]["kept_val_acc"])
-    print("RESULT training", json.dumps({k: v for k, v in results["training"].items() if k != "log"}), flush=True)
-
-    results["eagle3_trained"], tr_outs, _ = bench_engine(target, trained, eval_prompts)
-    results["eagle3_trained"]["equal_to_plain"] = tr_outs == plain_outs
-
-    (out_dir / "bench_eagle3.json").write_text(json.dumps(results, indent=1))
-    rows = []
-    for name in ("plain", "eagle3_random", "eagle3_trained"):
-        for b in BENCH_BATCHES:
-            m = results[name][f"batch{b}"]
+    got = stage("eagle3_trained", lambda: bench_engine(target, trained, eval_prompts, batches=batches))
+    if got is not None:
+        results["eagle3_trained"] = got[0]
+        results["eagle3_trained"]["agreement_with_plain"] = _agreement(got[1], plain_outs)
+        results["eagle3_trained"]["equal_to_plain"] = got[1] == plain_outs
+        for b in batches:
+            m, pm = got[0][f"batch{b}"], results["plain"][f"batch{b}"]
+            sp = m["tokens_per_s"] / pm["tokens_per_s"]
             mal = m.get("mean_acceptance_length")
-            rows.append(f"{name:15s} batch {b}: {m['tokens_per_s']:8.1f} tok/s"
-                        + (f"  mean acceptance length {mal:.2f}"
-                           f"  (accepted {m['num_accepted_tokens']}/{m['num_draft_tokens']} drafted,"
-                           f" per position {m['accepted_per_position']})" if mal else ""))
+            results.setdefault("speedup", {})[f"batch{b}"] = {
+                "plain_tok_s": pm["tokens_per_s"], "eagle3_tok_s": m["tokens_per_s"],
+                "speedup": sp, "mean_acceptance_length": mal,
+                "efficiency": sp / mal if mal else None}
+    save()
+
+    got = stage("eagle3_shifted_aux_ids", lambda: bench_engine(target, shifted, eval_prompts, batches=(8,)))
+    if got is not None:
+        results["eagle3_shifted_aux_ids"] = {"aux_layer_ids": list(SHIFTED_AUX_IDS), **got[0]}
+
+    if prof == "production":
+        os.environ["EAGLE3_GPU_PROFILE"] = "eager"
+        try:
+            got = stage("eagle3_trained_eager", lambda: bench_engine(target, trained, eval_prompts, batches=(1, 8)))
+            if got is not None:
+                results["eagle3_trained_eager"] = got[0]
+        finally:
+            os.environ["EAGLE3_GPU_PROFILE"] = prof
+    save()
+    _print_table(results, batches)
+
+
+def _print_table(results, batches):
+    rows = []
+    for name in ("plain", "eagle3_random", "eagle3_trained", "eagle3_shifted_aux_ids", "eagle3_trained_eager"):
+        r = results.get(name)
+        if not r:
+            continue
+        for b in batches:
+            m = r.get(f"batch{b}")
+            if not m:
+                continue
+            mal = m.get("mean_acceptance_length")
+            rows.append(f"{name:24s} batch {b:2d}: {m['tokens_per_s']:8.1f} tok/s"
+                        + (f"  mean acceptance length {mal:.2f} (accepted {m['num_accepted_tokens']}/"
+                           f"{m['num_draft_tokens']}, per position {m['accepted_per_position']})" if mal else ""))
     print("\n".join(rows))
-    print("equal to plain greedy: random", results["eagle3_random"]["equal_to_plain"],
-          "trained", results["eagle3_trained"]["equal_to_plain"])
-    print(f"target rule accuracy {results['target_training']['final_rule_accuracy']:.3f}; "
-          f"acceptance length predicted from the drafter's validation accuracy "
-          f"{results['training']['predicted_acceptance_length']:.2f}")
+    if "speedup" in results:
+        print("SPEEDUP", json.dumps(results["speedup"]))
+    if "training" in results:
+        print(f"predicted acceptance length {results['training']['predicted_acceptance_length']:.2f}; "
+              f"target rule accuracy {results['target_training']['final_rule_accuracy']:.3f}")
+
+
+def cache_check(out_dir: Path, artifacts: Path, tag: str) -> None:
+    """Two drafters served in turn against one target with one compile-cache
+    directory (VLLM_CACHE_ROOT): the trained drafter (aux ids 1, 3, 6), then
+    the same weights with aux ids (0, 2, 5). Each gets the acceptance it gets
+    alone only if each gets its own compiled graphs; a reused target graph
+    hands the second drafter the first one's layers (and acceptance)."""
+    import tempfile
+
+    h.configure_env()
+    target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
+    shifted = _write_shifted(trained, Path(tempfile.mkdtemp()) / "drafter_shifted", SHIFTED_AUX_IDS)
+    eval_prompts = _prompts(8, seed=1000)
+    root = Path(tempfile.mkdtemp(prefix=f"vllm-cache-{tag}-"))
+    os.environ["VLLM_CACHE_ROOT"] = str(root)
+    res = {"tag": tag, "cache_root": str(root), "profile": h.profile()}
+    for name, d in (("first_trained_1_3_6", trained), ("second_shifted_0_2_5", shifted)):
+        t0 = time.perf_counter()
+        try:
+            r, _, _ = bench_engine(target, d, eval_prompts, batches=(8,))
+            res[name] = {"engine_start_s": r["engine_start_s"], **_summary(r["batch8"])}
+        except Exception as e:  # noqa: BLE001
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        res[name]["seconds"] = time.perf_counter() - t0
+        print("CACHE", tag, name, json.dumps(res[name]), flush=True)
+    res["cache_dirs"] = sorted(str(p.relative_to(root)) for p in root.glob("torch_compile_cache/*/rank_0_0/*"))
+    res["aot_dirs"] = sorted(str(p.relative_to(root)) for p in root.glob("torch_aot_compile/*"))
+    print("CACHE", tag, "dirs", json.dumps({"compile": res["cache_dirs"], "aot": res["aot_dirs"]}), flush=True)
+    (out_dir / f"cache_{tag}.json").write_text(json.dumps(res, indent=1))
+
+
+def control(out_dir: Path, artifacts: Path, ids: list[int]) -> None:
+    """The trained drafter served with other aux layer ids (same weights), batch 8."""
+    import tempfile
+
+    h.configure_env()
+    target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
+    name = "_".join(str(i) for i in ids)
+    d = _write_shifted(trained, Path(tempfile.mkdtemp()) / f"drafter_ids_{name}", ids)
+    r, _, _ = bench_engine(target, d, _prompts(max(PROD_BATCHES), seed=1000), batches=(8,))
+    res = {"aux_layer_ids": ids, "profile": h.profile(), "engine_start_s": r["engine_start_s"],
+           **_summary(r["batch8"])}
+    print("CONTROL", json.dumps(res), flush=True)
+    (out_dir / f"control_{name}.json").write_text(json.dumps(res, indent=1))
 
 
 def main(argv=None):
@@ -485,6 +657,9 @@ def main(argv=None):
     a.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_work"))
     a.add_argument("--steps", type=int, default=1500, help="drafter training steps")
     a.add_argument("--target-steps", type=int, default=400, help="target training steps")
+    a.add_argument("--profile", choices=h.PROFILES, default=None,
+                   help="engine settings (gpu_e2e_helpers.py); default: $EAGLE3_GPU_PROFILE or smoke")
+    a.add_argument("--no-random-drafter", action="store_true", help="skip the random-drafter run")
     c = sub.add_parser("capture")
     for n in ("--target", "--drafter", "--seqs", "--out"):
         c.add_argument(n, required=True)
@@ -492,12 +667,31 @@ def main(argv=None):
     t.add_argument("--target", type=Path, required=True)
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--out", type=Path, required=True)
+    k = sub.add_parser("cache")
+    k.add_argument("--out", type=Path, required=True)
+    k.add_argument("--artifacts", type=Path, required=True, help="unpacked artifacts.tar.gz of a bench run")
+    k.add_argument("--tag", default="patched")
+    k.add_argument("--profile", choices=h.PROFILES, default="production")
+    o = sub.add_parser("control")
+    o.add_argument("--out", type=Path, required=True)
+    o.add_argument("--artifacts", type=Path, required=True)
+    o.add_argument("--ids", required=True, help="aux layer ids, e.g. 6,3,1")
+    o.add_argument("--profile", choices=h.PROFILES, default="production")
     args = ap.parse_args(argv)
+    if getattr(args, "profile", None):
+        os.environ["EAGLE3_GPU_PROFILE"] = args.profile
     if args.cmd == "all":
         args.out.mkdir(parents=True, exist_ok=True)
-        run_all(args.out, args.work, args.steps, args.target_steps)
+        run_all(args.out, args.work, args.steps, args.target_steps,
+                random_drafter=not args.no_random_drafter)
     elif args.cmd == "train-target":
         args.out.write_text(json.dumps(train_target(args.target, args.steps)))
+    elif args.cmd == "control":
+        args.out.mkdir(parents=True, exist_ok=True)
+        control(args.out, args.artifacts, [int(x) for x in args.ids.split(",")])
+    elif args.cmd == "cache":
+        args.out.mkdir(parents=True, exist_ok=True)
+        cache_check(args.out, args.artifacts, args.tag)
     else:
         capture(args.target, args.drafter, args.seqs, args.out)
 

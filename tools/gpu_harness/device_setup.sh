@@ -10,9 +10,11 @@ set -euo pipefail
 SITE=${1:-/tmp/site}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" .device/whl/*.whl
-tar -xJf .device/vllm/vllm-py.tar.xz -C "$SITE"
+# VLLM_TARBALL picks another staged tree (prepare.py --without PATCH).
+tar -xJf "${VLLM_TARBALL:-.device/vllm/vllm-py.tar.xz}" -C "$SITE"
 cp tools/gpu_harness/torch_ops.py "$SITE/vllm/_gpu_harness_ops.py"
 cp tools/gpu_harness/standin_C.py "$SITE/vllm/_C.py"
+cp tools/gpu_harness/standin_fa2_C.py "$SITE/vllm/vllm_flash_attn/_vllm_fa2_C.py"
 rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"
 PYTHONPATH="$SITE" python3 - <<'PY'
 import torch, transformers, triton, vllm, vllm._C
@@ -21,5 +23,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
       "transformers", transformers.__version__, "vllm", vllm.__version__, vllm.__file__)
 print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 print("harness ops:", len(vllm._C.HARNESS_OPS))
+from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
+print("FA2 (harness varlen_fwd):", is_fa_version_supported(2), "FA3:", is_fa_version_supported(3))
 print("manifest:", (files("vllm") / "_gpu_harness_manifest.json").read_text())
 PY

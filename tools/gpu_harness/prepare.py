@@ -5,11 +5,14 @@
 1. vLLM's Python files: taken from the pinned, sha256-verified official
    v0.16.0 CUDA wheel (pin.toml, artifacts.wheel-x86_64), every ``.so`` left
    out, with ``patches/series`` applied by ``patch -p1 --fuzz=0`` (``--stock``
-   skips the series). Packed as ``.device/vllm/vllm-py.tar.xz`` with a
+   skips the series; ``--without NAME`` applies the series minus that patch
+   and writes ``.device/vllm/vllm-py-without-<stem>.tar.xz`` next to the
+   full one, which device_setup.sh unpacks when VLLM_TARBALL names it).
+   Packed as ``.device/vllm/vllm-py.tar.xz`` with a
    manifest (``vllm/_gpu_harness_manifest.json``: wheel digest, series and
    per-patch digests) so every device log says what it ran.
 2. The carried wheels: exactly the pins in
-   ``shared/notes/gpu-harness-wheels.txt`` (or ``--wheel-list``), cp312
+   ``tools/gpu_harness/wheels.txt`` (or ``--wheel-list``), cp312
    manylinux x86_64, in ``.device/whl`` (downloaded with ``pip download
    --no-deps --only-binary=:all:`` when missing).
 
@@ -38,10 +41,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from tools._common import load_pin  # noqa: E402
 
 DEVICE_DIR = REPO_ROOT / ".device"
-DEFAULT_WHEEL_LIST = [
-    REPO_ROOT / "shared" / "notes" / "gpu-harness-wheels.txt",
-    REPO_ROOT.parent / "shared" / "notes" / "gpu-harness-wheels.txt",
-]
+DEFAULT_WHEEL_LIST = [Path(__file__).resolve().parent / "wheels.txt"]
 CACHE_DIRS = [Path.home() / ".cache" / "vllm-eagle3-stack"]
 CARRY_LIMIT = 64 * 2**20
 PLATFORMS = [
@@ -86,7 +86,8 @@ def read_series() -> list[str]:
     return names
 
 
-def stage_vllm(wheel: Path, wheel_digest: str, stock: bool, out: Path) -> dict:
+def stage_vllm(wheel: Path, wheel_digest: str, stock: bool, out: Path,
+               without: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         with zipfile.ZipFile(wheel) as zf:
@@ -98,7 +99,12 @@ def stage_vllm(wheel: Path, wheel_digest: str, stock: bool, out: Path) -> dict:
             zf.extractall(root, members)
         applied = []
         if not stock:
-            for name in read_series():
+            names = read_series()
+            if without is not None:
+                if without not in names:
+                    raise SystemExit(f"--without {without}: not in patches/series")
+                names.remove(without)
+            for name in names:
                 patch = REPO_ROOT / "patches" / name
                 r = subprocess.run(
                     ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(patch)],
@@ -113,7 +119,7 @@ def stage_vllm(wheel: Path, wheel_digest: str, stock: bool, out: Path) -> dict:
         manifest = {
             "wheel": wheel.name,
             "wheel_sha256": wheel_digest,
-            "variant": "stock" if stock else "patched",
+            "variant": "stock" if stock else (f"patched-without-{without}" if without else "patched"),
             "series": applied,
             "series_sha256": hashlib.sha256(
                 "".join(p["sha256"] for p in applied).encode()
@@ -184,19 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock", action="store_true", help="do not apply patches/series")
     ap.add_argument("--wheel-list", type=Path, help="pins of the carried wheels")
     ap.add_argument("--no-download", action="store_true")
+    ap.add_argument("--without", metavar="PATCH",
+                    help="also stage the series minus this patch (file name in patches/series)")
     args = ap.parse_args(argv)
 
     wheel, digest = find_wheel(args.wheel)
     manifest = stage_vllm(wheel, digest, args.stock, DEVICE_DIR / "vllm" / "vllm-py.tar.xz")
     print(json.dumps(manifest, indent=2))
+    extra_tar = []
+    if args.without:
+        stem = Path(args.without).stem
+        t = DEVICE_DIR / "vllm" / f"vllm-py-without-{stem}.tar.xz"
+        m2 = stage_vllm(wheel, digest, False, t, without=args.without)
+        print("also staged", t.name, "variant", m2["variant"])
+        extra_tar.append(t)
 
     wl = args.wheel_list or next((p for p in DEFAULT_WHEEL_LIST if p.is_file()), None)
     if wl is None:
-        raise SystemExit("gpu-harness-wheels.txt not found; pass --wheel-list")
+        raise SystemExit("tools/gpu_harness/wheels.txt not found; pass --wheel-list")
     wheels = stage_wheels(wl, DEVICE_DIR / "whl", download=not args.no_download)
 
     sizes = {
-        ".device/vllm": (DEVICE_DIR / "vllm" / "vllm-py.tar.xz").stat().st_size,
+        ".device/vllm": sum(t.stat().st_size for t in [DEVICE_DIR / "vllm" / "vllm-py.tar.xz", *extra_tar]),
         ".device/whl": sum(w.stat().st_size for w in wheels),
     }
     tracked = subprocess.run(

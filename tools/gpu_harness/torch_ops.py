@@ -258,11 +258,12 @@ def grouped_topk(
         scale = scale / topk_sum
     weights = weights * scale
 
-    if not bool(proceed.all()):
-        fallback_ids = torch.arange(topk, device=device).expand(num_tokens, topk)
-        fallback_w = torch.full((num_tokens, topk), 1.0 / topk, device=device)
-        ids = torch.where(proceed[:, None], ids, fallback_ids)
-        weights = torch.where(proceed[:, None], weights, fallback_w)
+    # Applied unconditionally (no ``if proceed.all()``): reading a device
+    # value on the host is forbidden while a CUDA graph is being captured.
+    fallback_ids = torch.arange(topk, device=device).expand(num_tokens, topk)
+    fallback_w = torch.full((num_tokens, topk), 1.0 / topk, device=device)
+    ids = torch.where(proceed[:, None], ids, fallback_ids)
+    weights = torch.where(proceed[:, None], weights, fallback_w)
     return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
 
 
@@ -306,6 +307,10 @@ def moe_align_block_size(
     here it is ascending flat index, one of the orders the kernel can produce
     (the grouped GEMM treats each row independently, so the order inside a
     segment never changes a result).
+
+    Every intermediate has a shape fixed by the arguments (no nonzero, no
+    bincount, no repeat_interleave with tensor counts) and no device value is
+    read on the host, so the op can be captured in a CUDA graph.
     """
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -316,31 +321,37 @@ def moe_align_block_size(
         safe = torch.where(valid, flat, torch.zeros_like(flat))
         expert = maybe_expert_map.to(torch.int64)[safe]
         valid = valid & (expert != -1)
-    pos = torch.nonzero(valid, as_tuple=False).reshape(-1)
-    e_valid = expert[pos]
-    counts = torch.bincount(e_valid, minlength=num_experts)[:num_experts]
+    # Invalid slots get the key num_experts: they sort after every segment.
+    key = torch.where(valid, expert, torch.full_like(expert, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
     padded = (counts + block_size - 1) // block_size * block_size
     cums = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     cums[1:] = torch.cumsum(padded, 0)
     raw = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     raw[1:] = torch.cumsum(counts, 0)
 
-    order = torch.sort(e_valid, stable=True).indices
-    e_sorted = e_valid[order]
-    rank = torch.arange(e_sorted.numel(), device=device) - raw[e_sorted]
-    dest = cums[e_sorted] + rank
+    order = torch.sort(key, stable=True).indices
+    k_sorted = key[order]
+    ok = k_sorted < num_experts
+    k_safe = torch.where(ok, k_sorted, torch.zeros_like(k_sorted))
+    rank = torch.arange(numel, device=device) - raw[k_safe]
+    # Invalid slots are written to one spare element past the end, dropped.
+    n_out = sorted_token_ids.numel()
+    dest = torch.where(ok, cums[k_safe] + rank, torch.full_like(rank, n_out))
+    staged = torch.full((n_out + 1,), numel, dtype=sorted_token_ids.dtype, device=device)
+    staged.scatter_(0, dest, order.to(sorted_token_ids.dtype))
+    sorted_token_ids.copy_(staged[:n_out].view_as(sorted_token_ids))
 
-    sorted_token_ids.fill_(numel)
-    sorted_token_ids[dest] = pos[order].to(sorted_token_ids.dtype)
-
-    blocks_per_expert = padded // block_size
-    owner = torch.repeat_interleave(
-        torch.arange(num_experts, device=device), blocks_per_expert
-    )
-    experts_ids.fill_(0)
-    experts_ids[: owner.numel()] = owner.to(experts_ids.dtype)
-    num_tokens_post_pad.fill_(0)
-    num_tokens_post_pad[0] = cums[num_experts].to(num_tokens_post_pad.dtype)
+    # Block b belongs to the first expert whose inclusive block count exceeds b.
+    blocks_incl = torch.cumsum(padded // block_size, 0)
+    b = torch.arange(experts_ids.numel(), device=device, dtype=torch.int64)
+    owner = torch.searchsorted(blocks_incl, b, right=True)
+    owner = torch.where(b < blocks_incl[-1], owner, torch.zeros_like(owner))
+    experts_ids.copy_(owner.to(experts_ids.dtype).view_as(experts_ids))
+    num_tokens_post_pad.zero_()
+    num_tokens_post_pad[:1].copy_(cums[num_experts:].to(num_tokens_post_pad.dtype))
 
 
 def moe_sum(input: torch.Tensor, output: torch.Tensor) -> None:
@@ -418,12 +429,305 @@ def rotary_embedding(
             rot.copy_(torch.stack([nx, ny], dim=-1).flatten(-2))
 
 
+# ---------------------------------------------------------------------------
+# CUDA-graph output references (csrc/ops.h, weak_ref_tensor)
+# ---------------------------------------------------------------------------
+
+
+def weak_ref_tensor(input: torch.Tensor) -> torch.Tensor:
+    """The kernel returns a tensor over the same memory that does not own it,
+    so a captured graph's output buffer can go back to the graph pool. Python
+    cannot make a non-owning CUDA tensor; this returns an alias that does own
+    a reference. Same data, same strides: only the memory is released later
+    (when vLLM drops the alias), which costs memory, never a result."""
+    return input.as_strided(input.size(), input.stride(), input.storage_offset())
+
+
+def _weak_ref_tensor_fake(input: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(input.size(), input.stride(), dtype=input.dtype,
+                               device=input.device)
+
+
+# ---------------------------------------------------------------------------
+# KV-cache writes and gathers (csrc/cache_kernels.cu)
+# ---------------------------------------------------------------------------
+
+
+def _require_auto_cache(kv_cache_dtype: str, op: str) -> None:
+    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise NotImplementedError(
+            f"{op}: kv_cache_dtype {kv_cache_dtype!r} (quantized cache) has no torch "
+            "implementation in the GPU harness; serve with kv_cache_dtype='auto'"
+        )
+
+
+def _scatter_rows(rows_view: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """rows_view[slots[i]] = new[i] for slots[i] >= 0; rows with slot < 0 are
+    skipped, as the kernels do (padding tokens). Without host syncs: a
+    skipped row is sent to the slot of the first valid row with that row's
+    data (or, if there is none, to row 0 with row 0's old data), so every
+    destination receives only identical values and the write order cannot
+    matter."""
+    slots = slots.to(torch.int64)
+    valid = slots >= 0
+    any_valid = valid.any()
+    # index_select, not slots[ref]: indexing with a 0-dim tensor reads it on
+    # the host, which CUDA-graph capture forbids.
+    ref = torch.argmax(valid.to(torch.int32)).view(1)
+    ref_slot = torch.where(any_valid, slots.index_select(0, ref), torch.zeros_like(ref))
+    ref_row = torch.where(any_valid, new.index_select(0, ref), rows_view[:1])
+    dest = torch.where(valid, slots, ref_slot)
+    shape = (-1,) + (1,) * (new.dim() - 1)
+    src = torch.where(valid.view(shape), new, ref_row)
+    rows_view.index_copy_(0, dest, src)
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    scale: torch.Tensor,
+) -> None:
+    """kv_cache[slot // block_size, slot % block_size] = [kv_c | k_pe] for
+    each token with slot >= 0 (slot -1 marks padding). Unquantized caches only
+    (a plain copy).
+
+    The kernel walks slot_mapping.size(0) tokens. Either side may be longer:
+    kv_c holds CUDA-graph padding rows, and under speculative decoding vLLM
+    passes kv_c cut to the actual tokens with a padded slot_mapping, whose
+    extra entries are -1 (the kernel reads past the cut into the padding of
+    the same buffer and skips them). Here tokens past either length are
+    skipped."""
+    _require_auto_cache(kv_cache_dtype, "concat_and_cache_mla")
+    n = min(slot_mapping.size(0), kv_c.size(0), k_pe.size(0))
+    rank, pe = kv_c.size(1), k_pe.size(1)
+    if kv_cache.size(2) != rank + pe:
+        raise RuntimeError(f"kv_cache.size(2) {kv_cache.size(2)} != kv_lora_rank {rank} + pe_dim {pe}")
+    rows = torch.cat([kv_c[:n], k_pe[:n]], dim=-1).to(kv_cache.dtype)
+    flat = kv_cache.view(-1, rank + pe) if kv_cache.is_contiguous() else None
+    if flat is None:
+        raise RuntimeError("concat_and_cache_mla: the harness needs a contiguous kv_cache")
+    _scatter_rows(flat, slot_mapping.reshape(-1)[:n], rows)
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """key_cache[slot // bs, slot % bs] = key[i] (and the same for value) for
+    i < slot_mapping.size(0), slot -1 skipped; caches are [num_blocks,
+    block_size, heads, head_size] views whose block and page strides merge.
+    Tokens past key.size(0) are skipped (see concat_and_cache_mla)."""
+    _require_auto_cache(kv_cache_dtype, "reshape_and_cache_flash")
+    n = min(slot_mapping.size(0), key.size(0), value.size(0))
+    bs = key_cache.size(1)
+    slots = slot_mapping.reshape(-1)[:n].to(torch.int64)
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        # [num_blocks * block_size, heads, head] view over the same memory
+        rows = cache.flatten(0, 1) if cache.stride(0) == bs * cache.stride(1) else None
+        if rows is None:
+            raise RuntimeError("reshape_and_cache_flash: block and page strides do not merge")
+        _scatter_rows(rows, slots, src[:n].to(cache.dtype))
+
+
+def gather_and_maybe_dequant_cache(
+    src_cache: torch.Tensor,
+    dst: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    token_to_seq: torch.Tensor,
+    num_tokens: int,
+    kv_cache_dtype: str,
+    scale: torch.Tensor,
+    seq_starts: torch.Tensor | None,
+) -> None:
+    """For t < num_tokens: b = token_to_seq[t]; if t < cu_seq_lens[b + 1],
+    dst[t] = src_cache[block_table[b, o // bs], o % bs] with
+    o = t - cu_seq_lens[b] + seq_starts[b] (seq_starts optional, else 0).
+    Rows past their sequence are left untouched, as the kernel leaves them."""
+    _require_auto_cache(kv_cache_dtype, "gather_and_maybe_dequant_cache")
+    if dst.size(-1) != 576:
+        raise RuntimeError("gather_and_maybe_dequant_cache only support the head_dim to 576")
+    for name, t in (("block_table", block_table), ("cu_seq_lens", cu_seq_lens)):
+        if t.dtype != torch.int32:
+            raise RuntimeError(f"{name} must be int32")
+    if num_tokens <= 0:
+        return
+    bs = src_cache.size(1)
+    t = torch.arange(num_tokens, device=dst.device, dtype=torch.int64)
+    b = token_to_seq[:num_tokens].to(torch.int64)
+    cu = cu_seq_lens.to(torch.int64)
+    inside = t < cu[b + 1]
+    off = t - cu[b]
+    if seq_starts is not None:
+        off = off + seq_starts.to(torch.int64)[b]
+    off = torch.where(inside, off, torch.zeros_like(off))
+    col = (off // bs).clamp(max=block_table.size(1) - 1)
+    blk = block_table.to(torch.int64)[b, col]
+    rows = src_cache[blk, off % bs].to(dst.dtype)
+    dst[:num_tokens] = torch.where(inside[:, None], rows, dst[:num_tokens])
+
+
+# ---------------------------------------------------------------------------
+# Merging two partial attention results (csrc/attention/merge_attn_states.cu)
+# ---------------------------------------------------------------------------
+
+
+def merge_attn_states(
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None,
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> None:
+    """Outputs [tokens, heads, head_size], lse [heads, tokens] (float32).
+    An infinite lse counts as -inf; if both are -inf the prefix output and
+    -inf are written. Else p = exp(p_lse - m), s = exp(s_lse - m) with
+    m = max, out = p_out * (p / (p + s)) + s_out * (s / (p + s)) in float32,
+    rounded to the output dtype, lse = log(p + s) + m."""
+    ninf = torch.tensor(float("-inf"), device=prefix_lse.device)
+    p_lse = torch.where(torch.isinf(prefix_lse), ninf, prefix_lse.float())
+    s_lse = torch.where(torch.isinf(suffix_lse), ninf, suffix_lse.float())
+    m = torch.maximum(p_lse, s_lse)
+    dead = torch.isinf(m)
+    m_safe = torch.where(dead, torch.zeros_like(m), m)
+    p_se = torch.exp(p_lse - m_safe)
+    s_se = torch.exp(s_lse - m_safe)
+    out_se = p_se + s_se
+    out_se_safe = torch.where(dead, torch.ones_like(out_se), out_se)
+    p_scale = (p_se / out_se_safe).t()[..., None]  # [tokens, heads, 1]
+    s_scale = (s_se / out_se_safe).t()[..., None]
+    merged = prefix_output.float() * p_scale + suffix_output.float() * s_scale
+    merged = torch.where(dead.t()[..., None], prefix_output.float(), merged)
+    output.copy_(merged.to(output.dtype))
+    if output_lse is not None:
+        output_lse.copy_(torch.where(dead, m, torch.log(out_se_safe) + m_safe))
+
+
+# ---------------------------------------------------------------------------
+# FlashAttention-2 varlen forward (vllm-project/flash-attention, the
+# _vllm_fa2_C extension of the vllm_flash_attn package in the wheel)
+# ---------------------------------------------------------------------------
+
+
+def fa2_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None,
+    leftpad_k: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    p_dropout: float,
+    softmax_scale: float,
+    zero_tensors: bool,
+    is_causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    return_softmax: bool,
+    num_splits: int,
+    gen: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """Attention of each request's queries over its keys, softmax in float32.
+
+    * q [total_q, Hq, D]; k, v [total_k, Hk, D(v)] with cu_seqlens_k, or
+      paged [num_blocks, page, Hk, D(v)] with block_table [b, max_blocks];
+      seqused_k [b], when given, is each request's key count.
+    * causal masks are aligned to the bottom right: query i of a request with
+      Lq queries and Lk keys sees keys j <= i + Lk - Lq.
+    * GQA: query head h reads key head h // (Hq / Hk).
+    * returns [out, softmax_lse]; lse is [Hq, total_q], +inf for a query that
+      sees no key (its output is 0), as FlashAttention-2 writes it.
+
+    Everything is padded to max_seqlen_q x max_seqlen_k per request (Python
+    ints), so shapes never depend on device values and nothing syncs."""
+    if alibi_slopes is not None or leftpad_k is not None or p_dropout != 0.0 or softcap != 0.0:
+        raise NotImplementedError("fa2_varlen_fwd stand-in: alibi, leftpad, dropout and softcap are not supported")
+    if window_size_left != -1 or window_size_right not in (-1, 0):
+        raise NotImplementedError("fa2_varlen_fwd stand-in: sliding windows are not supported")
+    dev = q.device
+    total_q, hq, d = q.shape
+    dv = v.shape[-1]
+    hk = k.shape[-2]
+    nb = cu_seqlens_q.numel() - 1
+    mq, mk = int(max_seqlen_q), int(max_seqlen_k)
+    cu_q = cu_seqlens_q.to(torch.int64)
+    q_len = cu_q[1:] - cu_q[:-1]
+    if seqused_k is not None:
+        k_len = seqused_k.to(torch.int64)[:nb]
+    else:
+        cu_k = cu_seqlens_k.to(torch.int64)
+        k_len = cu_k[1:] - cu_k[:-1]
+
+    iq = torch.arange(mq, device=dev)
+    jk = torch.arange(mk, device=dev)
+    q_ok = iq[None, :] < q_len[:, None]                       # [b, mq]
+    q_idx = (cu_q[:-1, None] + iq[None, :]).clamp(max=max(total_q - 1, 0))
+    k_ok = jk[None, :] < k_len[:, None]                       # [b, mk]
+    if block_table is not None:
+        page = k.shape[1]
+        col = (jk // page).clamp(max=block_table.shape[1] - 1)
+        blk = block_table.to(torch.int64)[:nb][:, col]        # [b, mk]
+        kk = k[blk, (jk % page)[None, :].expand(nb, mk)]      # [b, mk, Hk, D]
+        vv = v[blk, (jk % page)[None, :].expand(nb, mk)]
+    else:
+        k_idx = (cu_k[:-1, None] + jk[None, :]).clamp(max=max(k.shape[0] - 1, 0))
+        kk, vv = k[k_idx], v[k_idx]
+    qq = q[q_idx].float()                                      # [b, mq, Hq, D]
+    rep = hq // hk
+    kk = kk.float().repeat_interleave(rep, dim=2)
+    vv = vv.float().repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qq, kk) * softmax_scale
+    mask = q_ok[:, :, None] & k_ok[:, None, :]                # [b, mq, mk]
+    if is_causal:
+        shift = (k_len - q_len)[:, None, None]
+        mask = mask & (jk[None, None, :] <= iq[None, :, None] + shift)
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                           # [b, Hq, mq]
+    none = torch.isinf(lse)
+    p = torch.exp(s - torch.where(none, torch.zeros_like(lse), lse)[..., None])
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vv)                 # [b, mq, Hq, Dv]
+    lse = torch.where(none, torch.full_like(lse, float("inf")), lse)
+
+    # Back to the packed token layout (padding query slots are dropped).
+    t = torch.arange(total_q, device=dev)
+    req = (torch.searchsorted(cu_q[1:], t, right=True)).clamp(max=max(nb - 1, 0))
+    pos = (t - cu_q[req]).clamp(min=0, max=max(mq - 1, 0))
+    o_tok = o[req, pos]                                        # [total_q, Hq, Dv]
+    lse_tok = lse[req, :, pos].t().contiguous()                # [Hq, total_q]
+    if out is None:
+        out = torch.empty((total_q, hq, dv), dtype=q.dtype, device=dev)
+    out.copy_(o_tok.to(out.dtype))
+    return [out, lse_tok]
+
+
+def _fa2_varlen_fwd_fake(q, k, v, out, cu_seqlens_q, *args):
+    total_q, hq, _ = q.shape
+    o = out if out is not None else q.new_empty((total_q, hq, v.shape[-1]))
+    return [o, q.new_empty((hq, total_q), dtype=torch.float32)]
+
+
 def _referenced_only(qualname: str) -> Callable:
     def impl(*args, **kwargs):
         raise NotImplementedError(
             f"{qualname} is only referenced (by vllm/compilation fusion-pass "
             "tables, at import time) in the GPU harness; it has no torch "
-            "implementation here, and with enforce_eager it is never called"
+            "implementation here; the unquantized harness models never call it"
         )
 
     return impl
@@ -471,6 +775,29 @@ _OPS: list[tuple[str, str, str, Callable, Callable | None]] = [
     ("_C", "rotary_embedding",
      "(Tensor positions, Tensor! query, Tensor!? key, int head_size, Tensor cos_sin_cache, "
      "bool is_neox) -> ()", rotary_embedding, None),
+    ("_C", "weak_ref_tensor", "(Tensor input) -> Tensor", weak_ref_tensor,
+     _weak_ref_tensor_fake),
+    ("_C", "merge_attn_states",
+     "(Tensor! output, Tensor!? output_lse, Tensor prefix_output, Tensor prefix_lse, "
+     "Tensor suffix_output, Tensor suffix_lse) -> ()", merge_attn_states, None),
+    ("_C_cache_ops", "concat_and_cache_mla",
+     "(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, Tensor slot_mapping, "
+     "str kv_cache_dtype, Tensor scale) -> ()", concat_and_cache_mla, None),
+    ("_C_cache_ops", "reshape_and_cache_flash",
+     "(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
+     "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
+     reshape_and_cache_flash, None),
+    ("_C_cache_ops", "gather_and_maybe_dequant_cache",
+     "(Tensor src_cache, Tensor! dst, Tensor block_table, Tensor cu_seq_lens, "
+     "Tensor token_to_seq, int num_tokens, str kv_cache_dtype, Tensor scale, "
+     "Tensor? seq_starts) -> ()", gather_and_maybe_dequant_cache, None),
+    ("_vllm_fa2_C", "varlen_fwd",
+     "(Tensor! q, Tensor k, Tensor v, Tensor!? out, Tensor cu_seqlens_q, "
+     "Tensor cu_seqlens_k, Tensor? seqused_k, Tensor? leftpad_k, Tensor? block_table, "
+     "Tensor? alibi_slopes, int max_seqlen_q, int max_seqlen_k, float p_dropout, "
+     "float softmax_scale, bool zero_tensors, bool is_causal, int window_size_left, "
+     "int window_size_right, float softcap, bool return_softmax, int num_splits, "
+     "Tensor? gen) -> Tensor[]", fa2_varlen_fwd, _fa2_varlen_fwd_fake),
 ]
 
 # Taken as op objects by vllm/compilation/passes/* at import (the EAGLE

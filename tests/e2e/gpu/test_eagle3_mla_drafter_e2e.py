@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""EAGLE-3 with an MLA-architecture drafter on a DeepSeek-V3 target, on a GPU.
+"""Smoke tests: EAGLE-3 with an MLA-architecture drafter on a DeepSeek-V3 target, on a GPU.
+
+Greedy equality shows the drafter loads and runs, not that it is fed the
+right states (see test_eagle3_acceptance.py and test_eagle3_e2e.py's note).
 
 The real v0.16.0 engine (scheduler, model runner, EAGLE proposer, rejection
 sampler) serves the tiny random DeepSeek-V3 target with tiny random drafters
@@ -46,7 +49,9 @@ from gpu_e2e_helpers import (
     configure_env,
     engine_kwargs,
     generate_tokens,
+    SMOKE_ONLY,
     harness_in_use,
+    profile,
     shutdown,
     token_prompts,
 )
@@ -58,6 +63,8 @@ DRAFTER_ARCH = "Eagle3DeepseekV2ForCausalLM"
 
 @pytest.fixture(scope="module", autouse=True)
 def _env():
+    if profile() != "smoke":
+        pytest.skip(SMOKE_ONLY)
     configure_env()
 
 
@@ -102,7 +109,7 @@ def plain_dsv3(tiny_ckpts):
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_k2"])
-def test_deepseek_v3_mla_drafter_greedy_equals_plain(
+def test_smoke_deepseek_v3_mla_drafter_greedy_equals_plain(
     tiny_ckpts, mla_drafters, plain_dsv3, results_dir, model_type
 ):
     prompts, plain = plain_dsv3

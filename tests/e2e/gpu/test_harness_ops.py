@@ -29,7 +29,12 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[3]
 OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
 
-NS_MAP = {"_C": "_C_harness_test", "_moe_C": "_moe_C_harness_test"}
+NS_MAP = {
+    "_C": "_C_harness_test",
+    "_moe_C": "_moe_C_harness_test",
+    "_C_cache_ops": "_C_cache_ops_harness_test",
+    "_vllm_fa2_C": "_vllm_fa2_C_harness_test",
+}
 
 
 def _load_ops():
@@ -45,6 +50,8 @@ ops_mod = sys.modules.get("gpu_harness_torch_ops") or _load_ops()
 ops_mod.register(NS_MAP)
 C = torch.ops._C_harness_test
 MOE = torch.ops._moe_C_harness_test
+CACHE = torch.ops._C_cache_ops_harness_test
+FA2 = torch.ops._vllm_fa2_C_harness_test
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -745,6 +752,8 @@ assert torch.ops._C.cutlass_scaled_mm_supports_fp8(90) is False
 out = torch.empty(2, 4); torch.ops._C.silu_and_mul(out, torch.randn(2, 8))
 w, i = torch.ops._moe_C.grouped_topk(torch.randn(3, 8), 2, 1, 2, True, 1.0, torch.zeros(8), 1)
 assert i.dtype == torch.int32
+assert torch.ops._C_cache_ops.concat_and_cache_mla.default._schema.name == "_C_cache_ops::concat_and_cache_mla"
+assert torch.ops._vllm_fa2_C.varlen_fwd.default._schema.name == "_vllm_fa2_C::varlen_fwd"
 print("OK", len(names))
 """
     env = dict(os.environ)
@@ -757,3 +766,302 @@ print("OK", len(names))
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"OK {len(ops_mod.OP_NAMES)}"
+
+
+# ---------------------------------------------------------------------------
+# MLA attention path: cache writes and gathers, merging, FlashAttention-2
+# varlen, weak references. References are literal per-token loops.
+# ---------------------------------------------------------------------------
+
+
+def test_weak_ref_tensor_aliases_the_memory():
+    x = torch.arange(12.0).view(3, 4)[:, 1:]
+    r = C.weak_ref_tensor(x)
+    assert r.data_ptr() == x.data_ptr() and r.stride() == x.stride() and r.shape == x.shape
+    x.add_(1)
+    assert torch.equal(r, x)
+
+
+def _slots_cases(num_slots):
+    return [
+        [5, 0, 17, -1, 30],          # slot 0 written by a real token, plus padding
+        [-1, -1, -1],                # padding only: nothing changes
+        [3, 9, 2, 31, 12, 1],        # no padding
+        [-1, 7, -1, 8],
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", range(4))
+def test_concat_and_cache_mla(device, dtype, case):
+    nb, bs, rank, pe = 4, 8, 512, 64
+    slots = _slots_cases(nb * bs)[case]
+    n = len(slots)
+    kv_c = _randn((n + 2, rank), dtype, device, seed=10 + case)  # 2 rows of graph padding
+    k_pe = _randn((n + 2, pe), dtype, device, seed=20 + case)
+    cache = _randn((nb, bs, rank + pe), dtype, device, seed=30)
+    expect = cache.clone()
+    for i, s_ in enumerate(slots):
+        if s_ >= 0:
+            expect[s_ // bs, s_ % bs, :rank] = kv_c[i]
+            expect[s_ // bs, s_ % bs, rank:] = k_pe[i]
+    sm = torch.tensor(slots, dtype=torch.int64, device=device)
+    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, sm, "auto", torch.ones(1, device=device))
+    assert torch.equal(cache, expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_concat_and_cache_mla_padded_slot_mapping(device):
+    # Under speculative decoding vLLM cuts kv_c to the actual tokens and
+    # passes a slot mapping padded with -1 (seen on the H200: 3 rows, 4 slots).
+    kv_c = _randn((3, 512), torch.bfloat16, device, seed=14)
+    k_pe = _randn((3, 64), torch.bfloat16, device, seed=15)
+    cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16, device=device)
+    sm = torch.tensor([6, 1, 4, -1], device=device)
+    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, sm, "auto", torch.ones(1, device=device))
+    for i, s_ in enumerate([6, 1, 4]):
+        assert torch.equal(cache[s_ // 4, s_ % 4], torch.cat([kv_c[i], k_pe[i]]))
+    assert int((cache.abs().sum(-1) != 0).sum()) == 3
+
+
+def test_concat_and_cache_mla_refuses_quantized_cache():
+    with pytest.raises(NotImplementedError, match="fp8"):
+        CACHE.concat_and_cache_mla(torch.zeros(1, 512), torch.zeros(1, 64),
+                                   torch.zeros(1, 4, 576), torch.zeros(1, dtype=torch.int64),
+                                   "fp8", torch.ones(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("case", range(4))
+def test_reshape_and_cache_flash(device, layout, case):
+    nb, bs, h, d = 4, 8, 2, 16
+    slots = _slots_cases(nb * bs)[case]
+    n = len(slots)
+    key = _randn((n + 1, h, d), torch.bfloat16, device, seed=40 + case)
+    value = _randn((n + 1, h, d), torch.bfloat16, device, seed=50 + case)
+    kv = _randn((2, nb, bs, h, d), torch.bfloat16, device, seed=60)
+    if layout == "HND":  # memory order (2, blocks, heads, page, dim), as vLLM permutes it
+        kv = kv.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    kc, vc = kv.unbind(0)
+    ek, ev = kc.clone(), vc.clone()
+    for i, s_ in enumerate(slots):
+        if s_ >= 0:
+            ek[s_ // bs, s_ % bs] = key[i]
+            ev[s_ // bs, s_ % bs] = value[i]
+    sm = torch.tensor(slots, dtype=torch.int64, device=device)
+    one = torch.ones(1, device=device)
+    if layout == "HND":
+        # block and page strides do not merge: the stand-in says so
+        with pytest.raises(RuntimeError, match="strides"):
+            CACHE.reshape_and_cache_flash(key, value, kc, vc, sm, "auto", one, one)
+        return
+    CACHE.reshape_and_cache_flash(key, value, kc, vc, sm, "auto", one, one)
+    assert torch.equal(kc, ek) and torch.equal(vc, ev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_starts", [False, True])
+def test_gather_and_maybe_dequant_cache(device, with_starts):
+    nb, bs = 12, 4
+    src = _randn((nb, bs, 576), torch.bfloat16, device, seed=70)
+    lens = [5, 0, 9, 3]
+    starts = [2, 0, 1, 4] if with_starts else [0, 0, 0, 0]
+    g = _gen(71, "cpu")
+    table = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in lens]).to(torch.int32)
+    cu = [0]
+    for n_ in lens:
+        cu.append(cu[-1] + n_)
+    tot = cu[-1]
+    token_to_seq = []
+    for b, n_ in enumerate(lens):
+        token_to_seq += [b] * n_
+    token_to_seq += [len(lens) - 1] * 3  # the buffer is longer than the chunk
+    dst = _randn((tot + 3, 576), torch.bfloat16, device, seed=72)
+    expect = dst.clone()
+    for t in range(tot):
+        b = token_to_seq[t]
+        o = t - cu[b] + starts[b]
+        expect[t] = src[int(table[b, o // bs]), o % bs]
+    CACHE.gather_and_maybe_dequant_cache(
+        src, dst, table.to(device), torch.tensor(cu, dtype=torch.int32, device=device),
+        torch.tensor(token_to_seq, dtype=torch.int32, device=device), tot, "auto",
+        torch.ones(1, device=device),
+        torch.tensor(starts, dtype=torch.int32, device=device) if with_starts else None)
+    assert torch.equal(dst, expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_merge_attn_states(device, dtype, with_lse):
+    t, h, d = 6, 3, 16
+    # a strided prefix output, as MLA passes it (v sliced out of a padded head)
+    p_out = _randn((t, h, d + 8), dtype, device, seed=80)[..., :d]
+    s_out = _randn((t, h, d), dtype, device, seed=81)
+    p_lse = _randn((h, t), torch.float32, device, seed=82, scale=3.0)
+    s_lse = _randn((h, t), torch.float32, device, seed=83, scale=3.0)
+    p_lse[0, 0] = float("inf")       # FA2's "no keys" marker counts as -inf
+    p_lse[1, 2] = s_lse[1, 2] = float("-inf")
+    s_lse[2, 4] = float("inf")
+    out = torch.empty(t, h, d, dtype=dtype, device=device)
+    out_lse = torch.empty(h, t, device=device) if with_lse else None
+    C.merge_attn_states(out, out_lse, p_out, p_lse, s_out, s_lse)
+    for i in range(t):
+        for j in range(h):
+            pl, sl = float(p_lse[j, i]), float(s_lse[j, i])
+            pl = -math.inf if math.isinf(pl) else pl
+            sl = -math.inf if math.isinf(sl) else sl
+            m = max(pl, sl)
+            if math.isinf(m):
+                assert torch.equal(out[i, j], p_out[i, j])
+                if with_lse:
+                    assert out_lse[j, i] == -math.inf
+                continue
+            ps, ss = math.exp(pl - m), math.exp(sl - m)
+            ref = p_out[i, j].double() * (ps / (ps + ss)) + s_out[i, j].double() * (ss / (ps + ss))
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[i, j].double(), ref.to(dtype).double(), atol=tol, rtol=tol)
+            if with_lse:
+                assert abs(float(out_lse[j, i]) - (math.log(ps + ss) + m)) < 1e-5
+
+
+def _attn_reference(q, ks, vs, scale, causal):
+    """Literal per-query softmax attention in float64; ks/vs are this
+    request's keys [Lk, Hk, D]. Returns out [Lq, Hq, Dv], lse [Hq, Lq]."""
+    lq, hq, _ = q.shape
+    lk, hk = ks.shape[0], ks.shape[1]
+    out = torch.zeros(lq, hq, vs.shape[-1], dtype=torch.float64)
+    lse = torch.full((hq, lq), math.inf, dtype=torch.float64)
+    for i in range(lq):
+        for h in range(hq):
+            kh = h // (hq // hk)
+            seen = [j for j in range(lk) if not causal or j <= i + lk - lq]
+            if not seen:
+                continue
+            sc = torch.stack([(q[i, h].double() * ks[j, kh].double()).sum() * scale for j in seen])
+            mx = sc.max()
+            e = torch.exp(sc - mx)
+            lse[h, i] = mx + torch.log(e.sum())
+            w = e / e.sum()
+            out[i, h] = sum(w[n] * vs[j, kh].double() for n, j in enumerate(seen))
+    return out, lse
+
+
+def _fa2_call(q, k, v, cu_q, cu_k, seqused, table, mq, mk, scale, causal, out=None):
+    return FA2.varlen_fwd(q, k, v, out, cu_q, cu_k, seqused, None, table, None, mq, mk,
+                          0.0, scale, False, causal, -1, -1, 0.0, False, 0, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa2_varlen_fwd_packed(device, dtype, causal):
+    # MLA prefill: q/k head 192 (nope 128 + rope 64), v padded to 192 by vLLM.
+    q_lens, k_lens = [3, 1, 5], [3, 4, 5] if causal else [7, 0, 2]
+    hq = hk = 2
+    d = 24
+    cu_q = [0]
+    cu_k = [0]
+    for a, b in zip(q_lens, k_lens):
+        cu_q.append(cu_q[-1] + a)
+        cu_k.append(cu_k[-1] + b)
+    q = _randn((cu_q[-1], hq, d), dtype, device, seed=90)
+    k = _randn((cu_k[-1], hk, d), dtype, device, seed=91)
+    v = _randn((cu_k[-1], hk, d), dtype, device, seed=92)
+    scale = d ** -0.5
+    out, lse = _fa2_call(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device=device),
+                         torch.tensor(cu_k, dtype=torch.int32, device=device), None, None,
+                         max(q_lens), max(k_lens), scale, causal)
+    assert out.shape == (cu_q[-1], hq, d) and out.dtype == dtype
+    assert lse.shape == (hq, cu_q[-1]) and lse.dtype == torch.float32
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for b in range(len(q_lens)):
+        ro, rl = _attn_reference(q[cu_q[b]:cu_q[b + 1]].cpu(), k[cu_k[b]:cu_k[b + 1]].cpu(),
+                                 v[cu_k[b]:cu_k[b + 1]].cpu(), scale, causal)
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]].double().cpu(), ro.to(dtype).double(), atol=tol, rtol=tol)
+        got_lse = lse[:, cu_q[b]:cu_q[b + 1]].double().cpu()
+        assert torch.equal(torch.isinf(got_lse), torch.isinf(rl))
+        fin = ~torch.isinf(rl)
+        torch.testing.assert_close(got_lse[fin], rl[fin], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fa2_varlen_fwd_paged_gqa_with_out(device):
+    # The FLASH_ATTN backend's call: paged cache, seqused_k, GQA, an out buffer
+    # longer than the batch (CUDA-graph padding stays untouched).
+    nb, page, hq, hk, d = 10, 4, 4, 2, 16
+    kc = _randn((nb, page, hk, d), torch.bfloat16, device, seed=100)
+    vc = _randn((nb, page, hk, d), torch.bfloat16, device, seed=101)
+    q_lens, k_used = [1, 4, 2], [6, 9, 2]
+    table = torch.tensor([[3, 7, 0], [1, 9, 4], [8, 0, 0]], dtype=torch.int32, device=device)
+    cu_q = [0, 1, 5, 7]
+    q = _randn((7, hq, d), torch.bfloat16, device, seed=102)
+    out = torch.full((9, hq, d), 7.0, dtype=torch.bfloat16, device=device)
+    res = _fa2_call(q, kc, vc, torch.tensor(cu_q, dtype=torch.int32, device=device),
+                    torch.zeros(4, dtype=torch.int32, device=device),
+                    torch.tensor(k_used, dtype=torch.int32, device=device), table,
+                    max(q_lens), 12, 0.25, True, out=out[:7])
+    assert res[0].data_ptr() == out.data_ptr()
+    assert torch.all(out[7:] == 7.0)
+    for b in range(3):
+        ks = torch.stack([kc[int(table[b, j // page]), j % page] for j in range(k_used[b])]).cpu()
+        vs = torch.stack([vc[int(table[b, j // page]), j % page] for j in range(k_used[b])]).cpu()
+        ro, rl = _attn_reference(q[cu_q[b]:cu_q[b + 1]].cpu(), ks, vs, 0.25, True)
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]].double().cpu(), ro.to(torch.bfloat16).double(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(res[1][:, cu_q[b]:cu_q[b + 1]].double().cpu(), rl, atol=1e-3, rtol=1e-3)
+
+
+def test_fa2_varlen_fwd_refuses_unsupported_features():
+    q = torch.zeros(2, 1, 8)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        FA2.varlen_fwd(q, q, q, None, cu, cu, None, None, None, None, 2, 2, 0.0, 1.0,
+                       False, True, 4, 0, 0.0, False, 0, None)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        FA2.varlen_fwd(q, q, q, None, cu, cu, None, None, None, None, 2, 2, 0.0, 1.0,
+                       False, True, -1, -1, 30.0, False, 0, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU")
+def test_ops_capture_in_cuda_graphs():
+    """The ops that run inside vLLM's CUDA graphs (MoE routing and alignment
+    in every piecewise graph; the KV-cache writes in full decode graphs) can
+    be captured, and a replay on new inputs equals an eager call."""
+    dev = "cuda"
+    scores = _randn((16, 16), torch.float32, dev, seed=110)
+    bias = _randn((16,), torch.float32, dev, seed=111)
+    topk_ids = torch.randint(0, 16, (16, 2), dtype=torch.int32, device=dev)
+    sorted_ids, expert_ids, post = _align_buffers(topk_ids, 16, 16, dev)
+    kv_c = _randn((8, 512), torch.bfloat16, dev, seed=112)
+    k_pe = _randn((8, 64), torch.bfloat16, dev, seed=113)
+    cache = torch.zeros(4, 16, 576, dtype=torch.bfloat16, device=dev)
+    slots = torch.tensor([3, 17, -1, 40, 41, 42, -1, 5], device=dev)
+    one = torch.ones(1, device=dev)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the graph
+        MOE.grouped_topk(scores, 4, 2, 2, True, 2.5, bias, 1)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w, i = MOE.grouped_topk(scores, 4, 2, 2, True, 2.5, bias, 1)
+        MOE.moe_align_block_size(topk_ids, 16, 16, sorted_ids, expert_ids, post, None)
+        CACHE.concat_and_cache_mla(kv_c, k_pe, cache, slots, "auto", one)
+    scores.copy_(_randn((16, 16), torch.float32, dev, seed=120))
+    topk_ids.copy_(torch.randint(0, 16, (16, 2), dtype=torch.int32, device=dev))
+    kv_c.copy_(_randn((8, 512), torch.bfloat16, dev, seed=121))
+    slots.copy_(torch.tensor([-1, 2, 9, -1, 60, 61, 0, 33], device=dev))
+    cache.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    w2, i2 = MOE.grouped_topk(scores, 4, 2, 2, True, 2.5, bias, 1)
+    assert torch.equal(w, w2) and torch.equal(i, i2)
+    s2, e2, p2 = _align_buffers(topk_ids, 16, 16, dev)
+    MOE.moe_align_block_size(topk_ids, 16, 16, s2, e2, p2, None)
+    assert torch.equal(sorted_ids, s2) and torch.equal(expert_ids, e2) and torch.equal(post, p2)
+    c2 = torch.zeros_like(cache)
+    CACHE.concat_and_cache_mla(kv_c, k_pe, c2, slots, "auto", one)
+    assert torch.equal(cache, c2)
