@@ -13,6 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # VLLM_TARBALL picks another staged tree (prepare.py --without PATCH).
 tar -xJf "${VLLM_TARBALL:-.device/vllm/vllm-py.tar.xz}" -C "$SITE"
 cp tools/gpu_harness/torch_ops.py "$SITE/vllm/_gpu_harness_ops.py"
+cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
 cp tools/gpu_harness/standin_C.py "$SITE/vllm/_C.py"
 cp tools/gpu_harness/standin_fa2_C.py "$SITE/vllm/vllm_flash_attn/_vllm_fa2_C.py"
 rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"

@@ -4,8 +4,9 @@
 
 1. vLLM's Python files: taken from the pinned, sha256-verified official
    v0.16.0 CUDA wheel (pin.toml, artifacts.wheel-x86_64), every ``.so`` left
-   out, with ``patches/series`` applied by ``patch -p1 --fuzz=0`` (``--stock``
-   skips the series; ``--without NAME`` applies the series minus that patch
+   out, with the files ``patches/series`` touches as tools.build_wheel patches
+   them (tools.apply, no fuzz, no offset; ``--stock`` skips the series;
+   ``--without NAME`` applies the series minus that patch
    and writes ``.device/vllm/vllm-py-without-<stem>.tar.xz`` next to the
    full one, which device_setup.sh unpacks when VLLM_TARBALL names it).
    Packed as ``.device/vllm/vllm-py.tar.xz`` with a
@@ -42,7 +43,6 @@ from tools._common import load_pin  # noqa: E402
 
 DEVICE_DIR = REPO_ROOT / ".device"
 DEFAULT_WHEEL_LIST = [Path(__file__).resolve().parent / "wheels.txt"]
-CACHE_DIRS = [Path.home() / ".cache" / "vllm-eagle3-stack"]
 CARRY_LIMIT = 64 * 2**20
 PLATFORMS = [
     "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
@@ -59,37 +59,35 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def find_wheel(explicit: Path | None) -> tuple[Path, str]:
-    art = load_pin().artifact("wheel-x86_64")
-    candidates = [explicit] if explicit else [d / art.filename for d in CACHE_DIRS]
-    for c in candidates:
-        if c and c.is_file():
-            digest = sha256(c)
-            if digest != art.sha256:
-                raise SystemExit(f"{c}: sha256 {digest} != pinned {art.sha256}")
-            return c, digest
-    raise SystemExit(
-        f"pinned wheel {art.filename} not found (looked in {candidates}); "
-        "fetch it with tools/fetch.py or pass --wheel"
-    )
+def find_wheel() -> tuple[Path, str]:
+    """The pinned official CUDA wheel, fetched and verified by tools.fetch."""
+    from tools.fetch import ensure, offline_default
+
+    wheel = ensure(load_pin().artifact("wheel-x86_64"), offline=offline_default())
+    return wheel, sha256(wheel)
 
 
-def read_series() -> list[str]:
-    series = REPO_ROOT / "patches" / "series"
-    if not series.is_file():
-        return []
-    names = []
-    for line in series.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.append(line.split()[0])
-    return names
+def find_sdist() -> Path:
+    from tools.fetch import ensure, offline_default
+
+    return ensure(load_pin().artifact("sdist"), offline=offline_default())
 
 
 def stage_vllm(wheel: Path, wheel_digest: str, stock: bool, out: Path,
                without: str | None = None) -> dict:
+    """vLLM's Python files from the official wheel (no .so), the series'
+    files replaced by the ones tools.build_wheel patches (the stack's one
+    applier), packed with a manifest."""
+    from tools._common import SERIES_FILE, read_series
+    from tools.build_wheel import stage_patched
+
+    names = [] if stock else read_series(SERIES_FILE)
+    if without is not None:
+        if without not in names:
+            raise SystemExit(f"--without {without}: not in patches/series")
+        names.remove(without)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = Path(tmp) / "tree"
         with zipfile.ZipFile(wheel) as zf:
             members = [
                 m for m in zf.namelist()
@@ -97,25 +95,20 @@ def stage_vllm(wheel: Path, wheel_digest: str, stock: bool, out: Path,
                 and (m.startswith("vllm/") or m.startswith("vllm-0.16.0.dist-info/"))
             ]
             zf.extractall(root, members)
-        applied = []
-        if not stock:
-            names = read_series()
-            if without is not None:
-                if without not in names:
-                    raise SystemExit(f"--without {without}: not in patches/series")
-                names.remove(without)
+        if names:
+            series = Path(tmp) / "patches" / "series"
+            series.parent.mkdir()
             for name in names:
-                patch = REPO_ROOT / "patches" / name
-                r = subprocess.run(
-                    ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(patch)],
-                    cwd=root, capture_output=True, text=True,
-                )
-                if r.returncode != 0:
-                    raise SystemExit(f"patch {name} failed:\n{r.stdout}\n{r.stderr}")
-                applied.append({"patch": name, "sha256": sha256(patch)})
-        rej = list(root.rglob("*.rej")) + list(root.rglob("*.orig"))
-        if rej:
-            raise SystemExit(f"leftover patch files: {rej}")
+                (series.parent / name).write_bytes((SERIES_FILE.parent / name).read_bytes())
+            series.write_text("".join(f"{n}\n" for n in names))
+            for path, data in stage_patched(find_sdist(), series, Path(tmp) / "stage").items():
+                if not path.startswith("vllm/"):
+                    continue  # upstream's tests/ does not ship
+                (root / path).unlink(missing_ok=True)
+                if data is not None:
+                    (root / path).parent.mkdir(parents=True, exist_ok=True)
+                    (root / path).write_bytes(data)
+        applied = [{"patch": n, "sha256": sha256(SERIES_FILE.parent / n)} for n in names]
         manifest = {
             "wheel": wheel.name,
             "wheel_sha256": wheel_digest,
@@ -186,7 +179,6 @@ def stage_wheels(list_path: Path, whl_dir: Path, download: bool) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--wheel", type=Path, help="the pinned vLLM 0.16.0 x86_64 CUDA wheel")
     ap.add_argument("--stock", action="store_true", help="do not apply patches/series")
     ap.add_argument("--wheel-list", type=Path, help="pins of the carried wheels")
     ap.add_argument("--no-download", action="store_true")
@@ -194,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also stage the series minus this patch (file name in patches/series)")
     args = ap.parse_args(argv)
 
-    wheel, digest = find_wheel(args.wheel)
+    wheel, digest = find_wheel()
     manifest = stage_vllm(wheel, digest, args.stock, DEVICE_DIR / "vllm" / "vllm-py.tar.xz")
     print(json.dumps(manifest, indent=2))
     extra_tar = []

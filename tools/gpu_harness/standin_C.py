@@ -16,3 +16,11 @@ from vllm._gpu_harness_ops import OP_NAMES, register
 
 HARNESS_OPS = register()
 assert set(HARNESS_OPS) <= set(OP_NAMES)
+
+if __import__("os").environ.get("EAGLE3_HARNESS_DSA") == "1":
+    # GLM-5 / DeepSeek-V3.2 sparse attention (dsa_ops.py, docs/gpu-dsa.md).
+    # Opt-in: installing it also makes DeepGEMM and dense FlashMLA look
+    # available, which the dense MLA runs must not see.
+    from vllm._gpu_harness_dsa_ops import install as install_dsa_ops
+
+    DSA_OPS = install_dsa_ops()
