@@ -22,7 +22,8 @@ export PYTHONDONTWRITEBYTECODE=1
 ./build.sh --cpu
 cpu_py=$("$PY" -m tools.testenv cpu | tail -n 1)
 EAGLE3_STOCK_SITE=$("$PY" -m tools.testenv stock | tail -n 1)
-export EAGLE3_STOCK_SITE
+EAGLE3_TRANSFORMERS5_SITE=$("$PY" -m tools.testenv tf5 | tail -n 1)
+export EAGLE3_STOCK_SITE EAGLE3_TRANSFORMERS5_SITE
 
 # The venv's pytest executable, never `python -m pytest`: that would put the
 # repo root (and its vllm/ tree) first on sys.path.

