@@ -65,6 +65,15 @@ def test_conflicting_ids_name_both():
 
 @pytest.mark.parametrize(
     "fields",
+    [{TOP: 30}, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": "2,30,58"}}],
+)
+def test_ids_that_are_not_a_list_are_refused(fields):
+    with pytest.raises(ValueError, match=r"must be a list of target layer ids"):
+        get_eagle3_aux_layer_ids(draft_config(**fields))
+
+
+@pytest.mark.parametrize(
+    "fields",
     [
         {},
         {TOP: []},
