@@ -13,10 +13,12 @@ on PYTHONPATH for one pytest run of TESTS (default: the unit tests,
 tests/models tests/v1 tests/transformers_utils) with --junitxml.
 
 A test needs P when it passes with the whole series and fails without P (or
-is not collected: its module no longer imports).
+is not collected: its module no longer imports). A passing test that needs no
+patch must be marked ``regression`` (behaviour the series leaves unchanged), and
+a test marked ``regression`` must need none; either mismatch is listed.
 The result goes to OUT/loo.json and OUT/loo.md (a table per patch). The exit
-status is 1 when some patch has no test that needs it: nothing shows that
-patch is needed. Not part of ./test.sh: one pytest run per patch, plus one.
+status is 1 when some patch has no test that needs it (nothing shows that
+patch is needed) or a regression marker is wrong. Not part of ./test.sh: one pytest run per patch, plus one.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def overlay(site: Path, tree: Path, paths: list[str], dest: Path) -> None:
             shutil.copy2(tree / path, dest / path)
 
 
-def run_tests(python: Path, site: Path, tests: list[str], junit: Path) -> dict[str, str]:
+def run_tests(python: Path, site: Path, tests: list[str], junit: Path,
+              marker: str | None = None) -> dict[str, str]:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "EAGLE3_STACK_VARIANT": "loo",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(site),
                                                        os.environ.get("PYTHONPATH")]))}
@@ -99,7 +102,7 @@ def run_tests(python: Path, site: Path, tests: list[str], junit: Path) -> dict[s
     # longer imports must not stop the other modules' tests.
     cmd = [str(python.parent / "pytest"), "-p", "no:cacheprovider", "--import-mode=importlib",
            "-q", "--tb=no", "--no-header", "--continue-on-collection-errors",
-           f"--junitxml={junit}", *tests]
+           f"--junitxml={junit}", *(["-m", marker] if marker else []), *tests]
     with junit.with_suffix(".log").open("w") as log:
         subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return {t: o for t, (o, _) in junit_outcomes(junit).items()}
@@ -160,7 +163,15 @@ def main() -> int:
             label = f"without {left_out}" if left_out else "with the whole series"
             junit = args.out / f"{len(runs):02d}.xml"
             t0 = time.monotonic()
-            results = run_tests(args.python, site, args.tests, junit)
+            if left_out is None:
+                # Two runs, so the report knows which tests are marked
+                # regression (junit records no markers).
+                regression = run_tests(args.python, site, args.tests,
+                                       junit.with_suffix(".regression.xml"), "regression")
+                results = {**run_tests(args.python, site, args.tests, junit, "not regression"),
+                           **regression}
+            else:
+                results = run_tests(args.python, site, args.tests, junit)
             shutil.rmtree(site)
             shutil.rmtree(tree)
             failed = sorted(t for t, o in results.items() if o == "failed")
@@ -169,12 +180,18 @@ def main() -> int:
             runs[left_out] = {"dropped": dropped, "outcomes": results}
     whole = runs.pop(None)["outcomes"]
     passing = {t for t, o in whole.items() if o == "passed"}
+    needed = {t for run in runs.values() for t in passing
+              if run["outcomes"].get(t, "failed") == "failed"}
     result = {
         "command": "python -m tools.loo " + " ".join(args.tests),
         "series": names,
         "tests_run": len(whole),
         "seconds": time.monotonic() - started,
         "failing_with_whole_series": sorted(t for t, o in whole.items() if o == "failed"),
+        # A test no single patch is needed for must say it guards unchanged
+        # behaviour (marked regression), and a regression test must need none.
+        "unmarked_and_needing_no_patch": sorted(passing - needed - set(regression)),
+        "marked_regression_but_needing_a_patch": sorted(needed & set(regression)),
         "patches": {
             name: {"dropped": run["dropped"],
                    "needs": sorted(t for t in passing
@@ -188,10 +205,17 @@ def main() -> int:
     if result["failing_with_whole_series"]:
         say(TOOL, f"{len(result['failing_with_whole_series'])} test(s) fail with the whole "
             "series; they tell nothing about any one patch")
+    status = 0
+    for key in ("unmarked_and_needing_no_patch", "marked_regression_but_needing_a_patch"):
+        if result[key]:
+            say(TOOL, f"{key.replace('_', ' ')}: {', '.join(result[key])}")
+            status = 1
     unneeded = [n for n, e in result["patches"].items() if not e["needs"]]
     if unneeded:
         say(TOOL, f"no test needs: {', '.join(unneeded)}")
         return 1
+    if status:
+        return status
     say(TOOL, f"every patch of {len(names)} is needed by at least one test; "
         f"{args.out / 'loo.json'}")
     return 0

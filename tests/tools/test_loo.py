@@ -39,6 +39,8 @@ PATCHES = {
 """,
 }
 TESTS = """
+import pytest
+
 def test_a_exists():
     from pkg.mod import a  # noqa: F401
 
@@ -50,6 +52,7 @@ def test_b():
     from pkg.new import b
     assert b == 1
 
+@pytest.mark.regression
 def test_x_needs_nothing():
     from pkg.mod import x
     assert x == 1
@@ -94,6 +97,8 @@ def test_matrix_names_what_each_patch_is_needed_for(tmp_path: Path):
     assert result["patches"]["Add-a.patch"]["dropped"] == ["Bump-a.patch"]
     assert all(not e["dropped"] for n, e in result["patches"].items() if n != "Add-a.patch")
     assert result["tests_run"] == 5 and result["failing_with_whole_series"] == []
+    assert result["unmarked_and_needing_no_patch"] == []
+    assert result["marked_regression_but_needing_a_patch"] == []
     assert "no test needs: Docs-only.patch" in proc.stdout
     table = (tmp_path / "out" / "loo.md").read_text()
     assert "| Add-a.patch | Bump-a.patch | 2 |" in table
@@ -113,3 +118,19 @@ def test_a_series_that_does_not_apply_is_refused(tmp_path: Path):
     proc = run_tool("loo", *setup(tmp_path, ["Bump-a.patch"]))
     assert proc.returncode == 1
     assert "the whole series does not apply" in proc.stderr
+
+
+def test_wrong_regression_markers_are_listed(tmp_path: Path):
+    args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-new.patch"])
+    (tmp_path / "tests" / "test_markers.py").write_text(
+        "import pytest\n\n"
+        "def test_unmarked_needs_nothing():\n    from pkg.mod import x\n\n"
+        "@pytest.mark.regression\n"
+        "def test_marked_but_needs_a():\n    from pkg.mod import a  # noqa: F401\n")
+    proc = run_tool("loo", *args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "loo.json").read_text())
+    names = {k: [t.rsplit("::", 1)[1] for t in result[k]]
+             for k in ("unmarked_and_needing_no_patch", "marked_regression_but_needing_a_patch")}
+    assert names == {"unmarked_and_needing_no_patch": ["test_unmarked_needs_nothing"],
+                     "marked_regression_but_needing_a_patch": ["test_marked_but_needs_a"]}
