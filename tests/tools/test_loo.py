@@ -98,7 +98,7 @@ def test_matrix_names_what_each_patch_is_needed_for(tmp_path: Path):
     assert all(not e["dropped"] for n, e in result["patches"].items() if n != "Add-a.patch")
     assert result["tests_run"] == 5 and result["failing_with_whole_series"] == []
     assert result["unmarked_and_needing_no_patch"] == []
-    assert result["marked_regression_but_needing_a_patch"] == []
+    assert result["marked_regression_but_failing_on_stock"] == []
     assert "no test needs: Docs-only.patch" in proc.stdout
     table = (tmp_path / "out" / "loo.md").read_text()
     assert "| Add-a.patch | Bump-a.patch | 2 |" in table
@@ -131,6 +131,6 @@ def test_wrong_regression_markers_are_listed(tmp_path: Path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "out" / "loo.json").read_text())
     names = {k: [t.rsplit("::", 1)[1] for t in result[k]]
-             for k in ("unmarked_and_needing_no_patch", "marked_regression_but_needing_a_patch")}
+             for k in ("unmarked_and_needing_no_patch", "marked_regression_but_failing_on_stock")}
     assert names == {"unmarked_and_needing_no_patch": ["test_unmarked_needs_nothing"],
-                     "marked_regression_but_needing_a_patch": ["test_marked_but_needs_a"]}
+                     "marked_regression_but_failing_on_stock": ["test_marked_but_needs_a"]}
