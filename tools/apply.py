@@ -36,9 +36,9 @@ def _git_apply(tree: Path, patch: Path, *args: str) -> subprocess.CompletedProce
     )
 
 
-def apply_patch(tree: Path, patch: Path, *, check: bool = False) -> None:
-    """Apply one patch onto ``tree`` (nothing when ``check``), or raise
-    StackError; git applies a patch all or nothing."""
+def apply_patch(tree: Path, patch: Path) -> None:
+    """Apply one patch onto ``tree``, or raise StackError; git applies a patch
+    all or nothing."""
     proc = _git_apply(tree, patch, "--check")
     report = proc.stdout + proc.stderr
     if proc.returncode or "offset" in report or "Skipped patch" in report:
@@ -46,10 +46,9 @@ def apply_patch(tree: Path, patch: Path, *, check: bool = False) -> None:
                     if "offset" in line or "error" in line or "Skipped" in line]
         raise StackError(f"{patch.name} does not apply exactly to {tree}: "
                          + "; ".join(problems or [report.strip()]))
-    if not check:
-        proc = _git_apply(tree, patch)
-        if proc.returncode:
-            raise StackError(f"{patch.name}: {proc.stderr.strip()}")
+    proc = _git_apply(tree, patch)
+    if proc.returncode:
+        raise StackError(f"{patch.name}: {proc.stderr.strip()}")
 
 
 def touched_paths(patch: Path) -> list[str]:
