@@ -77,6 +77,7 @@ SHIFTED_AUX_IDS = (0, 2, 5)  # the trained drafter's (1, 3, 6), each one layer e
 RULE_SEED = 7
 RULE_NOISE = 0.15
 TARGET_SEQ_LEN = 96
+DSA_KINDS = {"glm5": 32, "deepseek-v32": 64}  # index heads of the published configs
 
 
 def skip_rule(seed: int = RULE_SEED) -> list[int]:
@@ -125,7 +126,10 @@ def train_target(target_dir: Path, steps: int, device: str = "cuda", batch_size:
     torch.manual_seed(0)
     f = skip_rule()
     rng = random.Random(11)
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device)
+    # transformers 4.57 has no DSA model (GLM-5, V3.2): train their dense
+    # DeepSeek-V3 view; the indexer weights stay as written.
+    view = dense_view(Path(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(view), dtype=torch.float32).to(device)
     model.train()
     opt_step = _optimizer(model.parameters(), 1e-3, steps)
 
@@ -151,13 +155,31 @@ def train_target(target_dir: Path, steps: int, device: str = "cuda", batch_size:
             print("target", json.dumps(log[-1]), flush=True)
     orig = load_file(str(Path(target_dir) / "model.safetensors"))
     trained = model.state_dict()
-    missing = sorted(set(orig) - set(trained))
+    missing = sorted(k for k in set(orig) - set(trained) if ".indexer." not in k)
     if missing:
         raise SystemExit(f"transformers' model lacks checkpoint tensors: {missing[:5]}")
-    save_file({k: trained[k].detach().to(v.dtype).cpu().contiguous() for k, v in orig.items()},
+    save_file({k: (trained[k].detach() if k in trained else v).to(v.dtype).cpu().contiguous()
+               for k, v in orig.items()},
               str(Path(target_dir) / "model.safetensors"), metadata={"format": "pt"})
     return {"steps": steps, "seconds": time.perf_counter() - t0, "noise": RULE_NOISE,
             "final_rule_accuracy": log[-1]["rule_accuracy"], "log": log}
+
+
+def dense_view(target: Path) -> Path:
+    """The checkpoint as transformers' DeepseekV3ForCausalLM reads it: a
+    directory with the config's model type changed and the other files linked."""
+    import tempfile
+
+    cfg = json.loads((target / "config.json").read_text())
+    if cfg["model_type"] == "deepseek_v3":
+        return target
+    view = Path(tempfile.mkdtemp(prefix="dense_view_"))
+    (view / "config.json").write_text(json.dumps(
+        dict(cfg, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])))
+    for f in target.iterdir():
+        if f.name != "config.json":
+            (view / f.name).symlink_to(f.resolve())
+    return view
 
 
 def _llm(model, drafter=None, **extra):
@@ -383,7 +405,7 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
         if step >= 0:
             idx = torch.randint(n_val, len(keep), (64,), device=device)
             losses, _ = d.unrolled_loss(toks[idx], aux[idx], mask[idx])
-            loss = sum(lw * l for lw, l in zip((1.0, 0.8, 0.6), losses))
+            loss = sum(w * x for w, x in zip((1.0, 0.8, 0.6), losses))
             opt_step(loss)
         if step % 100 == 0 or step in (-1, steps - 1):
             with torch.no_grad():
@@ -449,7 +471,8 @@ def _summary(m):
                                   "num_drafts", "num_draft_tokens", "num_accepted_tokens")}
 
 
-def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_drafter: bool = True):
+def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_drafter: bool = True,
+            kind: str = "deepseek-v3", batches=None):
     """The whole benchmark in the active profile (EAGLE3_GPU_PROFILE). Every
     stage is recorded in DIR/bench_eagle3.json as soon as it ends; a failing
     stage is recorded with its error and the stages that need it are skipped."""
@@ -461,14 +484,20 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
     prof = h.profile()
     ckw = h.checkpoint_kwargs()
     dkw = {"dtype": ckw["dtype"]} if ckw else {}
-    target = work / "deepseek_v3"
+    target = work / kind.replace("-", "_")
     rnd = work / "drafter_random"
     trained = work / "drafter_trained"
-    tiny.write_checkpoint("deepseek-v3", target, seed=0, **ckw)
+    if kind in DSA_KINDS:
+        # The published index geometry; index_topk 128 (the smallest that
+        # FLASHMLA_SPARSE takes) is at least every sequence here with
+        # --gen-tokens 96 or less, so the dense-trained target serves as
+        # trained (dsa_check.py covers top-k below the length).
+        ckw = {**ckw, "index_head_dim": 128, "index_topk": 128, "index_n_heads": DSA_KINDS[kind]}
+    tiny.write_checkpoint(kind, target, seed=0, **ckw)
     tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, draft_vocab_size=tiny.VOCAB_SIZE,
                           **h.DRAFTER_SHAPE, **dkw)
-    batches = PROD_BATCHES if prof != "smoke" else BENCH_BATCHES
-    results = {"k": K, "gen_tokens": GEN_TOKENS, "profile": prof, "batches": list(batches),
+    batches = batches or (PROD_BATCHES if prof != "smoke" else BENCH_BATCHES)
+    results = {"k": K, "gen_tokens": GEN_TOKENS, "profile": prof, "batches": list(batches), "kind": kind,
                "target": json.loads((target / "config.json").read_text()),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
     out_json = out_dir / "bench_eagle3.json"
@@ -650,6 +679,7 @@ def control(out_dir: Path, artifacts: Path, ids: list[int]) -> None:
 
 
 def main(argv=None):
+    global GEN_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("all")
@@ -660,6 +690,10 @@ def main(argv=None):
     a.add_argument("--profile", choices=h.PROFILES, default=None,
                    help="engine settings (gpu_e2e_helpers.py); default: $EAGLE3_GPU_PROFILE or smoke")
     a.add_argument("--no-random-drafter", action="store_true", help="skip the random-drafter run")
+    a.add_argument("--kind", choices=("deepseek-v3", *DSA_KINDS), default="deepseek-v3", help="target")
+    a.add_argument("--gen-tokens", type=int, default=GEN_TOKENS, help="tokens generated per prompt")
+    a.add_argument("--batches", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                   help="batch sizes to measure, e.g. 1,8 (default: the profile's)")
     c = sub.add_parser("capture")
     for n in ("--target", "--drafter", "--seqs", "--out"):
         c.add_argument(n, required=True)
@@ -682,8 +716,9 @@ def main(argv=None):
         os.environ["EAGLE3_GPU_PROFILE"] = args.profile
     if args.cmd == "all":
         args.out.mkdir(parents=True, exist_ok=True)
+        GEN_TOKENS = args.gen_tokens
         run_all(args.out, args.work, args.steps, args.target_steps,
-                random_drafter=not args.no_random_drafter)
+                random_drafter=not args.no_random_drafter, kind=args.kind, batches=args.batches)
     elif args.cmd == "train-target":
         args.out.write_text(json.dumps(train_target(args.target, args.steps)))
     elif args.cmd == "control":

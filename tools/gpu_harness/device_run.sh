@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # The whole GPU harness run on the lent device, from the repository root:
 #   bash tools/gpu_harness/device_run.sh [STAGE...]
-# Stages (default: ops e2e probe bench): setup always runs first.
+# Stages (default: ops e2e bench): setup always runs first.
 #   ops    CPU+CUDA tests of the torch ops (tests/e2e/gpu/test_harness_ops.py;
 #          OPS_K narrows them with pytest -k)
 #   diag   tools/gpu_harness/diag.py (engine core in-process, stack dumps on a
@@ -12,7 +12,6 @@
 #          fails inside torch.compile it is rerun once with TORCHDYNAMO_DISABLE=1
 #          (E2E_TESTS narrows it to some files, E2E_LIMIT_S its time limit)
 #   e2e-rest the GPU tests outside test_eagle3_e2e.py
-#   probe  what happens when GLM-5 (glm_moe_dsa) is served in the harness
 #   bench  tools/gpu_harness/bench_eagle3.py (train a drafter, measure)
 #   prod   prod_check.py offline: MLA targets, production settings, vllm.LLM
 #   server prod_check.py server: the OpenAI server, openai client, /metrics
@@ -20,13 +19,16 @@
 #   cache  bench_eagle3.py cache: two drafters, one compile-cache directory
 #   cache-nopatch  the same without the compile-cache patch (NOPATCH_FILE)
 #   control  bench_eagle3.py control: the trained drafter with other aux ids
+#   dsa-glm5, dsa-v32  tests/e2e/gpu/test_eagle3_dsa.py for one DSA target:
+#          float64 check of the aux states, acceptance (eager bf16)
+#   server-kimi  the server stage with Kimi-K2.5 and the MLA drafter
 # Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
 # Stops before the 10-minute limit of one device call (BUDGET_S, default 570).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_harness_out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-570}
-STAGES=${*:-ops e2e probe bench}
+STAGES=${*:-ops e2e bench}
 # NVLink multicast stays off (shared hosts); children inherit all of these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -72,10 +74,10 @@ for s in $STAGES; do
       fi
       grep -qE "PASSED.*test_smoke_deepseek_v3_eagle3_greedy_equals_plain|test_smoke_deepseek_v3_eagle3_greedy_equals_plain PASSED" "$OUT/e2e.log" || E2E_OK=0 ;;
     e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py --deselect tests/e2e/gpu/test_eagle3_acceptance.py ;;
-    probe) stage probe 150 "$OUT/probe.log" python3 tools/gpu_harness/probe_glm5.py ;;
     bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
     prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" ${PROD_ARGS:-} ;;
     server) stage server ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --out "$OUT/prod" ${SERVER_ARGS:-} ;;
+    server-kimi) stage server-kimi ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --kimi --out "$OUT/prod" ;;
     control) stage control ${CONTROL_LIMIT_S:-90} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py control --out "$OUT/prod" ${CONTROL_ARGS:-} ;;
     cache-nopatch)
       # vLLM's tree with one file replaced by its state without the compile-cache
@@ -87,10 +89,16 @@ for s in $STAGES; do
              python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" --tag without-compile-cache-patch ${CACHE_ARGS:-} ;;
     bench-prod) stage bench-prod ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --profile production --out "$OUT/bench" ${BENCH_ARGS:-} ;;
     cache) stage cache ${CACHE_LIMIT_S:-300} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" ${CACHE_ARGS:-} ;;
+    dsa-glm5|dsa-v32)
+      # DSA targets through the GPU suite (tests/e2e/gpu/test_eagle3_dsa.py):
+      # EAGLE3_HARNESS_DSA=1 installs dsa_ops.py's stand-ins; the DeepGEMM
+      # warm-up is for fp8 GEMMs, which these bf16 models have none of.
+      stage "$s" ${DSA_LIMIT_S:-540} "$OUT/$s.log" env EAGLE3_HARNESS_DSA=1 VLLM_DEEP_GEMM_WARMUP=skip \
+        python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "${s#dsa-}" ${DSA_PYTEST_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/probe.log "$OUT"/prod.log "$OUT"/cache.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL" "$f" | cut -c1-1200 | tail -24; }; done
+for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
 exit 0

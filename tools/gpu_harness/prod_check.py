@@ -18,7 +18,8 @@ plain decoding (bf16: reported, not asserted). One failing run does not stop
 the others; its traceback goes into the JSON.
 
 ``server`` starts ``python -m vllm.entrypoints.openai.api_server`` with the
-DeepSeek-V3 target and the Llama drafter, sends concurrent completions with
+DeepSeek-V3 target and the Llama drafter (``--kimi``: Kimi-K2.5 and the MLA
+drafter), sends concurrent completions with
 the ``openai`` client, and reads ``/metrics``.
 
 The random tiny weights make acceptance low here; acceptance as proof is
@@ -121,21 +122,27 @@ def offline(out: Path, work: Path, only: str | None = None) -> None:
 
 
 def server(out: Path, work: Path, port: int = 8011, target: Path | None = None,
-           drafter: Path | None = None) -> None:
+           drafter: Path | None = None, kimi: bool = False) -> None:
     """With --target/--drafter (e.g. bench_eagle3.py's trained pair) the
     prompts are token ids of the bench's skip-rule language, so /metrics
     shows the acceptance the trained drafter reaches through the server."""
     h.configure_env()
     rule_prompts = target is not None
+    extra_args: list[str] = []
     if target is None:
         m = write_models(work)
         target, drafter = m["deepseek_v3"], m["llama_drafter"]
+        if kimi:
+            target, drafter = m["kimi_k25"], m["mla_drafter_kimi_k2"]
+            extra_args = ["--limit-mm-per-prompt", json.dumps(KIMI_EXTRA["limit_mm_per_prompt"])]
+    if os.environ.get("EAGLE3_GPU_KV_BYTES"):
+        extra_args += ["--kv-cache-memory-bytes", os.environ["EAGLE3_GPU_KV_BYTES"]]
     spec = json.dumps({"method": "eagle3", "model": str(drafter),
                        "num_speculative_tokens": h.NUM_SPEC_TOKENS})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(target), "--dtype", "bfloat16", "--max-model-len", "1024",
            "--max-num-seqs", "16", "--gpu-memory-utilization", str(h.GPU_MEMORY_UTILIZATION),
-           "--speculative-config", spec, "--port", str(port), "--seed", "0"]
+           "--speculative-config", spec, "--port", str(port), "--seed", "0", *extra_args]
     log = open(out / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -202,7 +209,7 @@ def server(out: Path, work: Path, port: int = 8011, target: Path | None = None,
             proc.kill()
         log.close()
     print("SERVER", json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
-    (out / "prod_server.json").write_text(json.dumps(rec, indent=1))
+    (out / f"prod_server{'_kimi_k25' if kimi else ''}.json").write_text(json.dumps(rec, indent=1))
 
 
 def main(argv=None):
@@ -213,13 +220,14 @@ def main(argv=None):
     ap.add_argument("--only", choices=["deepseek_v3", "kimi_k25"], help="offline: one target")
     ap.add_argument("--target", type=Path, help="server: target checkpoint (default: tiny random)")
     ap.add_argument("--drafter", type=Path, help="server: EAGLE-3 drafter for --target")
+    ap.add_argument("--kimi", action="store_true", help="server: Kimi-K2.5 with the MLA drafter")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.what == "offline":
         offline(args.out, args.work, args.only)
     else:
-        server(args.out, args.work, target=args.target, drafter=args.drafter)
+        server(args.out, args.work, target=args.target, drafter=args.drafter, kimi=args.kimi)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 # ---------------------------------------------------------------------------
 # Capability queries (csrc/quantization/.../*_entry.cu)

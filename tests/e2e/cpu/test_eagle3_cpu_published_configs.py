@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 

@@ -177,6 +177,10 @@ def engine_kwargs(
         kw["enforce_eager"] = profile() == "eager"
     elif not mla_on():
         kw["attention_backend"] = "TRITON_ATTN"
+    if os.environ.get("EAGLE3_GPU_KV_BYTES"):
+        # A fixed KV-cache size skips vLLM's memory profile, which counts the
+        # memory of other engines started at the same time on the same GPU.
+        kw["kv_cache_memory_bytes"] = int(os.environ["EAGLE3_GPU_KV_BYTES"])
     if drafter is not None:
         kw["speculative_config"] = {
             "method": "eagle3",

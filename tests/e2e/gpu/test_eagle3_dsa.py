@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GLM-5 and DeepSeek-V3.2 (DeepSeek sparse attention) with EAGLE-3 on a GPU.
+
+DSA runs only with MLA on, in 16-bit, through the FLASHMLA_SPARSE backend and
+the indexer's DeepGEMM/fp8 kernels (a GPU with the real wheel; on the lent
+H200, the stand-ins of tools/gpu_harness/dsa_ops.py with
+EAGLE3_HARNESS_DSA=1). bf16, eager (EAGLE3_GPU_PROFILE=eager).
+
+1. The aux states are right (tools/gpu_harness/dsa_check.py): a tiny target
+   with the published attention geometry and index_topk 128 serves a
+   256-token prompt with a random drafter; each captured state must be the
+   float64 reference's input of its own layer (nearest of all layers, error
+   below a tenth of the gap to the neighbouring layers) and closer to the
+   sparse reference than to a dense one (the indexer's choice reached it).
+2. Acceptance (tools/gpu_harness/bench_eagle3.py --kind): a target trained
+   on the bench's skip-rule language and a drafter trained on its captured
+   states reach a mean acceptance length of at least 3.0 at k = 3; a random
+   drafter stays near 1.0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from gpu_e2e_helpers import REPO_ROOT
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
+
+KINDS = ["glm5", "deepseek-v32"]
+
+
+def _tool(name):
+    path = REPO_ROOT / "tools" / "gpu_harness" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _eager_bf16(monkeypatch):
+    monkeypatch.setenv("EAGLE3_GPU_PROFILE", "eager")
+    # vllm._C first: on the harness its stand-in installs the DeepGEMM one.
+    import vllm._C  # noqa: F401
+    from vllm.utils.import_utils import has_deep_gemm
+
+    if not has_deep_gemm():
+        pytest.skip("the DSA indexer needs DeepGEMM (pip install deep_gemm; on the "
+                    "lent H200, EAGLE3_HARNESS_DSA=1 gives its stand-in)")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dsa_aux_states_match_float64_reference(kind, tmp_path, results_dir):
+    res = _tool("dsa_check").run_all(kind, results_dir, tmp_path)
+    for name in ("plain", "eagle3"):
+        assert "error" not in res[name], res[name]["error"]
+    assert res["eagle3"]["metrics"]["num_drafts"] > 0
+    ref = res["reference"]
+    assert "error" not in ref, ref["error"]
+    assert ref["rows_with_a_choice_per_layer"] > 0  # top-k below the prompt length
+    for row in ref["per_id"]:
+        assert row["nearest_reference_layer"] == row["id"], row
+        assert row["ratio_error_to_gap"] < 0.1, row
+        assert (row["rms_error_vs_sparse_reference_after_topk"]
+                < 0.5 * row["rms_error_vs_dense_reference_after_topk"]), row
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dsa_acceptance_of_a_trained_drafter(kind, tmp_path, results_dir):
+    bench = _tool("bench_eagle3")
+    out = results_dir / f"bench_{kind}"
+    out.mkdir(parents=True, exist_ok=True)
+    # Prompt (8-24) + continuation <= index_topk (128): the dense-trained target serves as trained.
+    bench.GEN_TOKENS = 96
+    bench.run_all(out, tmp_path / "work", steps=1500, target_steps=400, kind=kind)
+    r = json.loads((out / "bench_eagle3.json").read_text())
+    assert not r.get("errors"), r.get("errors")
+    assert r["target_training"]["final_rule_accuracy"] >= 0.99
+    for b in bench.PROD_BATCHES:
+        assert r["eagle3_trained"][f"batch{b}"]["mean_acceptance_length"] >= 3.0, r["eagle3_trained"]
+        assert r["eagle3_random"][f"batch{b}"]["mean_acceptance_length"] <= 1.2, r["eagle3_random"]

@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""GLM-5 and DeepSeek-V3.2 (DSA) with EAGLE-3: serve, capture, check in float64.
+
+    python tools/gpu_harness/dsa_check.py all --kind glm5 --out DIR
+    python tools/gpu_harness/dsa_check.py reference CKPT AUX.pt OUT.json
+
+``all`` writes a tiny target of ``--kind`` (glm5 or deepseek-v32) with the
+published attention geometry (kv_lora_rank 512 + qk_rope_head_dim 64,
+qk_nope_head_dim 128, v_head_dim 128, index_head_dim 128, the real number of
+index heads) and ``index_topk`` 128, shorter than the 256-token prompt, so
+the indexer drops keys. It serves the target in bf16 with MLA on (DSA needs it),
+plain and with a random EAGLE-3 drafter whose aux ids are (1, 3, 6), records
+the greedy agreement, and records the aux states the proposer receives for the
+256-token prompt. ``reference`` then runs an independent float64 forward of the
+same weights: transformers' DeepseekV3ForCausalLM (4.57) with vLLM's routing
+(fp64_reference.py) and, in each attention, a mask built from a float64
+indexer written out here (ReLU(q.k) weighted per head, as DeepGEMM's logits;
+top ``index_topk`` keys per query). transformers 5's GlmMoeDsa model is no
+reference: its indexer has no ReLU and ignores ``indexer_rope_interleave``.
+
+Each captured state must match the reference input of its layer far closer
+than the neighbouring layers' inputs, and closer than a dense reference (the
+same forward with every key kept): that shows the states come from the right
+layers of a sparse forward. Results: DIR/dsa_<kind>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_e2e_helpers as h  # noqa: E402
+
+# Index heads of the published configs (zai-org/GLM-5, deepseek-ai/DeepSeek-V3.2).
+KINDS = {"glm5": 32, "deepseek-v32": 64}
+# FLASHMLA_SPARSE takes index_topk in multiples of 128 (flashmla_sparse.py:308).
+DSA_GEOMETRY = {"index_head_dim": 128, "index_topk": 128}
+PROMPT_LENGTHS = [5, 40, 256]
+LONG = 2  # the prompt whose states are checked
+MAX_TOKENS = 32
+AUX_IDS = (1, 3, 6)
+
+
+def write_models(kind: str, work: Path) -> tuple[Path, Path]:
+    tiny = h._tiny()
+    kw = h.checkpoint_kwargs() or {"dtype": "bfloat16", **h.MLA_GEOMETRY}
+    target, drafter = work / kind, work / f"{kind}_drafter"
+    tiny.write_checkpoint(kind, target, seed=5, index_n_heads=KINDS[kind], **DSA_GEOMETRY, **kw)
+    tiny.write_checkpoint("eagle3-drafter", drafter, seed=6, dtype=kw["dtype"],
+                          aux_layer_ids=AUX_IDS, **h.DRAFTER_SHAPE)
+    return target, drafter
+
+
+def engine(target: str, drafter: str | None, out: Path, capture: Path | None) -> None:
+    """One engine in this process: greedy tokens, counters, and (capture) the
+    aux states of the long prompt's prefill as the proposer receives them."""
+    if capture is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    h.configure_env()
+    import torch
+    from vllm import LLM
+
+    prompts = h.token_prompts(PROMPT_LENGTHS, seed=0)
+    t0 = time.perf_counter()
+    llm = LLM(**h.engine_kwargs(target, drafter))
+    rec = {"engine_start_s": time.perf_counter() - t0, "profile": h.profile()}
+    got = {}
+    if capture is not None:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        proposer = runner.drafter
+        orig = proposer.propose
+        want = tuple(prompts[LONG]["prompt_token_ids"])
+
+        def recording_propose(*args, **kwargs):
+            import inspect
+            ba = inspect.signature(orig).bind(*args, **kwargs)
+            tok = ba.arguments["target_token_ids"].cpu()
+            cam = ba.arguments["common_attn_metadata"]
+            qsl = cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()
+            for r in range(cam.num_reqs):
+                if "aux" not in got and tuple(tok[qsl[r]:qsl[r + 1]].tolist()) == want:
+                    got["aux"] = ba.arguments["target_hidden_states"][qsl[r]:qsl[r + 1]].float().cpu().clone()
+            return orig(*args, **kwargs)
+
+        proposer.propose = recording_propose
+        rec["aux_layer_ids"] = list(proposer.model.config.eagle_aux_hidden_state_layer_ids)
+    toks, metrics = h.generate_tokens(llm, prompts, MAX_TOKENS)
+    rec.update(tokens=toks, metrics=metrics)
+    if capture is not None:
+        if "aux" not in got:
+            raise SystemExit("the long prompt's prefill never reached the proposer")
+        torch.save({"aux": got["aux"], "layer_ids": rec["aux_layer_ids"],
+                    "prompt": prompts[LONG]["prompt_token_ids"]}, capture)
+        rec["captured_shape"] = list(got["aux"].shape)
+    out.write_text(json.dumps(rec))
+    h.shutdown(llm)
+
+
+# ---------------------------------------------------------------------------
+# float64 reference (transformers 4.57 + a float64 indexer)
+# ---------------------------------------------------------------------------
+
+
+def _rope(x, pos, theta, interleave):
+    import torch
+
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = pos.double()[:, None] * inv[None, :]  # [S, d/2]
+    cos, sin = ang.cos(), ang.sin()
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleave:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+def index_scores(cfg: dict, wts: dict, x, q_resid):
+    """The indexer's logits for one sequence, [S, S] (-inf above the diagonal):
+    sum over heads of ReLU(q_h . k) * weights_proj(x)_h * n_heads^-0.5 *
+    index_head_dim^-0.5, RoPE on the first qk_rope_head_dim dims."""
+    import torch
+
+    nh, hd, rd = cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
+    s = x.shape[0]
+    pos = torch.arange(s)
+    inter = bool(cfg.get("indexer_rope_interleave", False))
+    q = (q_resid @ wts["wq_b.weight"].T).view(s, nh, hd)
+    k = torch.nn.functional.layer_norm(x @ wts["wk.weight"].T, (hd,), wts["k_norm.weight"],
+                                       wts["k_norm.bias"], eps=1e-6)
+    q = torch.cat((_rope(q[..., :rd], pos, cfg["rope_theta"], inter), q[..., rd:]), -1)
+    k = torch.cat((_rope(k[..., :rd], pos, cfg["rope_theta"], inter), k[..., rd:]), -1)
+    w = (x @ wts["weights_proj.weight"].T) * nh ** -0.5 * hd ** -0.5  # [S, H]
+    logits = torch.einsum("shd,td->sht", q, k).clamp_min(0)
+    sc = torch.einsum("sht,sh->st", logits, w)
+    return sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def reference(ckpt: Path, aux_path: Path, out: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    import fp64_reference
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    data = torch.load(aux_path)
+    prompt, ids, aux = data["prompt"], data["layer_ids"], data["aux"].double()
+    nlay, topk = cfg["num_hidden_layers"], cfg["index_topk"]
+    weights = load_file(str(ckpt / "model.safetensors"))
+    idx = {i: {k.split(".indexer.", 1)[1]: v.double() for k, v in weights.items()
+               if k.startswith(f"model.layers.{i}.self_attn.indexer.")} for i in range(nlay)}
+    # transformers 4.57 has no DSA model: a DeepSeek-V3 view of the same weights.
+    view = Path(tempfile.mkdtemp(prefix="dsa_ref_"))
+    dense_cfg = dict(cfg, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (view / "config.json").write_text(json.dumps(dense_cfg))
+    for f in ckpt.iterdir():
+        if f.name != "config.json":
+            (view / f.name).symlink_to(f.resolve())
+    model = fp64_reference.load(view)
+    model.config._attn_implementation = "eager"
+    state = {"sparse": True, "margins": []}
+
+    def pre_hook(mod, args, kwargs):
+        if not state["sparse"]:
+            return args, kwargs
+        x = kwargs["hidden_states"][0]
+        q_resid = mod.q_a_layernorm(mod.q_a_proj(x))
+        sc = index_scores(cfg, idx[mod.layer_idx], x, q_resid)
+        s = sc.shape[0]
+        keep = torch.zeros(s, s, dtype=torch.bool)
+        for r in range(s):
+            n = min(topk, r + 1)
+            top = sc[r, : r + 1].topk(min(n + 1, r + 1))
+            keep[r, top.indices[:n]] = True
+            if r + 1 > topk:  # a real choice: the k-th vs the (k+1)-th logit
+                v = top.values
+                state["margins"].append(((v[n - 1] - v[n]) / v[0].abs().clamp_min(1e-30)).item())
+        mask = torch.full((s, s), float("-inf"), dtype=torch.float64).masked_fill(keep, 0.0)
+        kwargs["attention_mask"] = mask[None, None]
+        return args, kwargs
+
+    inputs: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: inputs.__setitem__(i, (a[0] if a else kw["hidden_states"])[0].clone()),
+            with_kwargs=True)
+        layer.register_forward_hook(
+            lambda m, a, o, i=i: inputs.__setitem__(i + 1, (o[0] if isinstance(o, tuple) else o)[0].clone()))
+
+    def run():
+        inputs.clear()
+        with torch.no_grad():
+            model(torch.tensor([prompt]))
+        return dict(inputs)
+
+    sparse = run()
+    state["sparse"] = False
+    dense = run()
+    hid = cfg["hidden_size"]
+    rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
+    res = {"layer_ids": ids, "prompt_len": len(prompt), "index_topk": topk,
+           "rows_with_a_choice_per_layer": max(0, len(prompt) - topk),
+           "min_relative_topk_margin": min(state["margins"]) if state["margins"] else None,
+           "near_ties_below_1e-3": sum(m < 1e-3 for m in state["margins"]), "per_id": []}
+    ok = True
+    for j, k in enumerate(ids):
+        got = aux[:, j * hid:(j + 1) * hid]
+        dist = {kk: rms(got - v) for kk, v in sparse.items()}
+        nearest = min(dist, key=dist.get)
+        gaps = [rms(sparse[k] - sparse[n]) for n in (k - 1, k + 1) if n in sparse]
+        tail = slice(topk, None)  # the rows where the indexer drops keys
+        row = {"id": k, "rms_error": dist[k], "max_abs_error": (got - sparse[k]).abs().max().item(),
+               "rms_state": rms(sparse[k]), "nearest_reference_layer": nearest,
+               "rms_gap_to_neighbouring_layers": min(gaps),
+               "ratio_error_to_gap": dist[k] / min(gaps),
+               "rms_error_vs_dense_reference_after_topk": rms(got[tail] - dense[k][tail]),
+               "rms_error_vs_sparse_reference_after_topk": rms(got[tail] - sparse[k][tail]),
+               "rms_sparse_minus_dense_after_topk": rms(sparse[k][tail] - dense[k][tail])}
+        if len(prompt) <= topk:
+            for key in [x for x in row if x.endswith("_after_topk")]:
+                row[key] = None
+        row["ok"] = (nearest == k and row["ratio_error_to_gap"] < 0.1
+                     and (k == 0 or len(prompt) <= topk
+                          or row["rms_error_vs_sparse_reference_after_topk"]
+                          < 0.5 * row["rms_error_vs_dense_reference_after_topk"]))
+        ok &= row["ok"]
+        res["per_id"].append(row)
+        print("REF", json.dumps(row), flush=True)
+    res["ok"] = ok
+    out.write_text(json.dumps(res, indent=1))
+    shutil.rmtree(view, ignore_errors=True)
+    return res
+
+
+def _sub(args: list[str], log: Path, **env) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                       env={**os.environ, **env})
+    log.write_text(r.stdout + r.stderr)
+    return r
+
+
+def run_all(kind: str, out_dir: Path, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    target, drafter = write_models(kind, work)
+    res = {"kind": kind, "profile": h.profile(), "prompt_lengths": PROMPT_LENGTHS,
+           "max_tokens": MAX_TOKENS, "target": json.loads((target / "config.json").read_text()),
+           "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    out_json = out_dir / f"dsa_{kind.replace('-', '_')}.json"
+    runs = {"plain": ["engine", str(target), "-", str(work / "plain.json")],
+            "eagle3": ["engine", str(target), str(drafter), str(work / "eagle3.json"),
+                       "--capture", str(work / "aux.pt")]}
+    for name, args in runs.items():
+        r = _sub(args, out_dir / f"dsa_{kind}_{name}.log")
+        backends = sorted({ln.split("Using ", 1)[1].split(" ")[0] for ln in (r.stdout + r.stderr).splitlines()
+                           if "Using " in ln and "backend" in ln.lower()})
+        if r.returncode != 0:
+            res[name] = {"ok": False, "error": (r.stdout + r.stderr)[-3000:]}
+            print(f"DSA {kind} {name} FAILED\n{res[name]['error']}", flush=True)
+            out_json.write_text(json.dumps(res, indent=1))
+            return res
+        res[name] = json.loads(Path(args[3]).read_text())
+        res[name]["backends"] = backends
+        print(f"DSA {kind} {name} ok; backends {backends}; metrics {json.dumps(res[name]['metrics'])}", flush=True)
+    res["agreement"] = h.token_agreement(res["plain"]["tokens"], res["eagle3"]["tokens"])
+    print(f"DSA {kind} agreement {json.dumps(res['agreement'])}", flush=True)
+    # The reference runs on the CPU in float64, in its own process.
+    r = _sub(["reference", str(target), str(work / "aux.pt"), str(work / "ref.json")],
+             out_dir / f"dsa_{kind}_reference.log", CUDA_VISIBLE_DEVICES="")
+    res["reference"] = (json.loads((work / "ref.json").read_text()) if r.returncode == 0
+                        else {"ok": False, "error": (r.stdout + r.stderr)[-3000:]})
+    print(f"DSA {kind} reference ok={res['reference'].get('ok')}", flush=True)
+    out_json.write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("all")
+    a.add_argument("--kind", choices=KINDS, required=True)
+    a.add_argument("--out", type=Path, required=True)
+    a.add_argument("--work", type=Path, default=None)
+    e = sub.add_parser("engine")
+    e.add_argument("target")
+    e.add_argument("drafter")
+    e.add_argument("out", type=Path)
+    e.add_argument("--capture", type=Path)
+    r = sub.add_parser("reference")
+    r.add_argument("ckpt", type=Path)
+    r.add_argument("aux", type=Path)
+    r.add_argument("out", type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "all":
+        os.environ.setdefault("EAGLE3_GPU_PROFILE", "eager")
+        args.out.mkdir(parents=True, exist_ok=True)
+        res = run_all(args.kind, args.out, args.work or Path(f"/tmp/dsa_{args.kind}"))
+        return 0 if res.get("reference", {}).get("ok") else 1
+    if args.cmd == "engine":
+        engine(args.target, None if args.drafter == "-" else args.drafter, args.out, args.capture)
+        return 0
+    return 0 if reference(args.ckpt, args.aux, args.out)["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
