@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import SERIES_FILE, StackError, read_series, run_main, say
 
 TOOL = "apply"

@@ -24,14 +24,11 @@ import io
 import os
 import re
 import shutil
-import sys
 import tarfile
 import time
 import zipfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import (
     REPO_ROOT,
     SERIES_FILE,

@@ -43,8 +43,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import REPO_ROOT, StackError, run_main
 
 TOOL = "eagle3-layers"

@@ -26,12 +26,9 @@ import argparse
 import email.utils
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import PATCHES_DIR, StackError, read_series, run_main, say
 from tools.import_series import BASE_TAG, git
 from tools.lint_series import DOWNSTREAM_TRAILERS

@@ -25,8 +25,6 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import (
     Artifact,
     Pin,

@@ -33,8 +33,6 @@ import re
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import PATCHES_DIR, StackError, read_series, run_main, say
 
 TOOL = "lint"

@@ -14,13 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import REPO_ROOT, StackError, load_pin, run_main, say
 from tools.fetch import ensure, offline_default
 

@@ -28,8 +28,6 @@ import venv
 import zipfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import REPO_ROOT, StackError, load_pin, run_main, sha256_file
 from tools.fetch import ensure, offline_default
 
@@ -148,15 +146,15 @@ def make_cpu(root: Path) -> Path:
     if not (path / ".stack-wheel").exists():
         _check_disk(path, CPU_VENV_NEEDS_GB)
     python = _venv(path)
-    _pip(python, "install", "-q", "--no-deps", SPECULATORS)
+    _pip(python, "install", "-q", "--no-compile", "--no-deps", SPECULATORS)
     # The test tools are in the stamp: adding one updates an existing venv.
     if _stamp_ok(path, wheel, TEST_TOOLS):
         say(TOOL, f"{path} already holds {wheel.name}")
         return python
     torch_pins = [f"{k}=={v}" for k, v in sorted(pin.cpu_env.items())]
     reqs = requirements_of(wheel, drop={k.lower() for k in pin.cpu_env})
-    _pip(python, "install", "-q", *torch_pins, *reqs, *TEST_TOOLS)
-    _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
+    _pip(python, "install", "-q", "--no-compile", *torch_pins, *reqs, *TEST_TOOLS)
+    _pip(python, "install", "-q", "--no-compile", "--no-deps", "--force-reinstall", str(wheel))
     _drop_cpu_alias(python)
     _stamp(path, wheel, TEST_TOOLS)
     say(TOOL, f"{path}: {wheel.name} on torch {pin.cpu_env.get('torch', '?')}")

@@ -59,8 +59,6 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools._common import (
     REPO_ROOT,
     SERIES_FILE,

@@ -82,61 +82,24 @@ def test_status_outside_the_vocabulary_is_refused(tmp_path: Path, status: str, s
     assert says in proc.stderr
 
 
-def test_two_statuses_are_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, trailers=["Upstream-Status: Pending",
-                                              f"Upstream-Status: Submitted [{PR}]",
-                                              f"Signed-off-by: {AUTHOR}"]))
+@pytest.mark.parametrize("mail, says", [
+    ({"trailers": ["Upstream-Status: Pending", f"Upstream-Status: Submitted [{PR}]",
+                   f"Signed-off-by: {AUTHOR}"]}, "2 Upstream-Status trailers"),
+    ({"trailers": [f"Signed-off-by: {AUTHOR}"]}, "no `Upstream-Status:` trailer"),
+    ({"body": "Why.\n\nUpstream-Status: Pending\nmore prose\n"}, "outside the trailer block"),
+    ({"trailers": ["Upstream-Status: Pending"]}, "no DCO `Signed-off-by"),
+    ({"trailers": ["Upstream-Status: Pending", "Signed-off-by: Bob <bob@example.org>"]},
+     f"no Signed-off-by from its author {AUTHOR}"),
+    ({"subject": "Add foo"}, "not in vLLM's style"),
+    ({"subject": "[PATCH 1/2] [Model] Add foo"}, "[PATCH] prefix"),
+    ({"subject": "[Model] " + "x" * 70}, "(max 72)"),
+    ({"body": ""}, "no body saying why"),
+], ids=["two-statuses", "no-status", "status-in-prose", "unsigned", "signed-by-other",
+        "subject-style", "patch-prefix", "long-subject", "no-body"])
+def test_a_broken_mail_is_refused(tmp_path: Path, mail: dict, says: str):
+    proc = lint(series_of(tmp_path, **mail))
     assert proc.returncode == 1
-    assert "2 Upstream-Status trailers" in proc.stderr
-
-
-def test_missing_status_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, trailers=[f"Signed-off-by: {AUTHOR}"]))
-    assert proc.returncode == 1
-    assert "no `Upstream-Status:` trailer" in proc.stderr
-
-
-def test_status_in_the_prose_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, body="Why.\n\nUpstream-Status: Pending\nmore prose\n"))
-    assert proc.returncode == 1
-    assert "outside the trailer block" in proc.stderr
-
-
-def test_unsigned_mail_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, trailers=["Upstream-Status: Pending"]))
-    assert proc.returncode == 1
-    assert "no DCO `Signed-off-by" in proc.stderr
-
-
-def test_sign_off_by_someone_else_only_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, trailers=["Upstream-Status: Pending",
-                                              "Signed-off-by: Bob <bob@example.org>"]))
-    assert proc.returncode == 1
-    assert f"no Signed-off-by from its author {AUTHOR}" in proc.stderr
-
-
-def test_subject_not_in_vllm_style_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, subject="Add foo"))
-    assert proc.returncode == 1
-    assert "not in vLLM's style" in proc.stderr
-
-
-def test_patch_prefix_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, subject="[PATCH 1/2] [Model] Add foo"))
-    assert proc.returncode == 1
-    assert "[PATCH] prefix" in proc.stderr
-
-
-def test_long_subject_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, subject="[Model] " + "x" * 70))
-    assert proc.returncode == 1
-    assert "(max 72)" in proc.stderr
-
-
-def test_mail_without_body_is_refused(tmp_path: Path):
-    proc = lint(series_of(tmp_path, body=""))
-    assert proc.returncode == 1
-    assert "no body saying why" in proc.stderr
+    assert says in proc.stderr
 
 
 def test_headerless_diff_is_refused(tmp_path: Path):

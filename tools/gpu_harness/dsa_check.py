@@ -4,6 +4,7 @@
 
     python tools/gpu_harness/dsa_check.py all --kind glm5 --out DIR
     python tools/gpu_harness/dsa_check.py reference CKPT AUX.pt OUT.json
+    python tools/gpu_harness/dsa_check.py yardstick --kind deepseek-v32 --out OUT.json
 
 ``all`` writes a tiny target of ``--kind`` (glm5 or deepseek-v32) with the
 published attention geometry (kv_lora_rank 512 + qk_rope_head_dim 64,
@@ -22,7 +23,11 @@ reference: its indexer has no ReLU and ignores ``indexer_rope_interleave``.
 Each captured state must match the reference input of its layer far closer
 than the neighbouring layers' inputs, and closer than a dense reference (the
 same forward with every key kept): that shows the states come from the right
-layers of a sparse forward. Results: DIR/dsa_<kind>.json.
+layers of a sparse forward. The reference also runs the same sparse forward
+in bf16 (``bf16_reference_*``, and ``yardstick`` alone, on the CPU): on the
+tiny random targets a few tokens leave the float64 path through routing and
+top-k near-ties that bf16 flips, so the bound is on the median token's
+error. Results: DIR/dsa_<kind>.json.
 """
 
 from __future__ import annotations
@@ -150,15 +155,21 @@ def index_scores(cfg: dict, wts: dict, x, q_resid):
     return sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
 
 
-def reference(ckpt: Path, aux_path: Path, out: Path) -> dict:
+def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
+    """Without ``aux_path`` (``yardstick``): only the independent bf16
+    forward against float64, for the long prompt."""
     import torch
     from safetensors.torch import load_file
 
     import fp64_reference
 
     cfg = json.loads((ckpt / "config.json").read_text())
-    data = torch.load(aux_path)
-    prompt, ids, aux = data["prompt"], data["layer_ids"], data["aux"].double()
+    if aux_path is None:
+        data = {"prompt": h.token_prompts(PROMPT_LENGTHS, seed=0)[LONG]["prompt_token_ids"],
+                "layer_ids": list(AUX_IDS), "aux": None}
+    else:
+        data = torch.load(aux_path)
+    prompt, ids, aux = data["prompt"], data["layer_ids"], data["aux"]
     nlay, topk = cfg["num_hidden_layers"], cfg["index_topk"]
     weights = load_file(str(ckpt / "model.safetensors"))
     idx = {i: {k.split(".indexer.", 1)[1]: v.double() for k, v in weights.items()
@@ -172,24 +183,24 @@ def reference(ckpt: Path, aux_path: Path, out: Path) -> dict:
             (view / f.name).symlink_to(f.resolve())
     model = fp64_reference.load(view)
     model.config._attn_implementation = "eager"
-    state = {"sparse": True, "margins": []}
+    state = {"sparse": True, "margins": [], "dtype": torch.float64}
 
     def pre_hook(mod, args, kwargs):
         if not state["sparse"]:
             return args, kwargs
         x = kwargs["hidden_states"][0]
         q_resid = mod.q_a_layernorm(mod.q_a_proj(x))
-        sc = index_scores(cfg, idx[mod.layer_idx], x, q_resid)
+        sc = index_scores(cfg, idx[mod.layer_idx], x.double(), q_resid.double())
         s = sc.shape[0]
         keep = torch.zeros(s, s, dtype=torch.bool)
         for r in range(s):
             n = min(topk, r + 1)
             top = sc[r, : r + 1].topk(min(n + 1, r + 1))
             keep[r, top.indices[:n]] = True
-            if r + 1 > topk:  # a real choice: the k-th vs the (k+1)-th logit
+            if r + 1 > topk and state["dtype"] == torch.float64:  # the k-th vs the (k+1)-th logit
                 v = top.values
                 state["margins"].append(((v[n - 1] - v[n]) / v[0].abs().clamp_min(1e-30)).item())
-        mask = torch.full((s, s), float("-inf"), dtype=torch.float64).masked_fill(keep, 0.0)
+        mask = torch.full((s, s), float("-inf"), dtype=state["dtype"]).masked_fill(keep, 0.0)
         kwargs["attention_mask"] = mask[None, None]
         return args, kwargs
 
@@ -197,51 +208,68 @@ def reference(ckpt: Path, aux_path: Path, out: Path) -> dict:
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.register_forward_pre_hook(pre_hook, with_kwargs=True)
         layer.register_forward_pre_hook(
-            lambda m, a, kw, i=i: inputs.__setitem__(i, (a[0] if a else kw["hidden_states"])[0].clone()),
+            lambda m, a, kw, i=i: inputs.__setitem__(i, (a[0] if a else kw["hidden_states"])[0].double()),
             with_kwargs=True)
         layer.register_forward_hook(
-            lambda m, a, o, i=i: inputs.__setitem__(i + 1, (o[0] if isinstance(o, tuple) else o)[0].clone()))
+            lambda m, a, o, i=i: inputs.__setitem__(i + 1, (o[0] if isinstance(o, tuple) else o)[0].double()))
 
-    def run():
+    def run(sparse=True, dtype=torch.float64):
+        state.update(sparse=sparse, dtype=dtype)
         inputs.clear()
         with torch.no_grad():
-            model(torch.tensor([prompt]))
+            model.to(dtype)(torch.tensor([prompt]))
         return dict(inputs)
 
+    dense = run(sparse=False)
+    # An independent bf16 forward of the same sparse model: how far bf16
+    # alone takes the states from float64 (routing and top-k near-ties flip).
+    bf16 = run(dtype=torch.bfloat16)
     sparse = run()
-    state["sparse"] = False
-    dense = run()
     hid = cfg["hidden_size"]
     rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
+    med = lambda t: t.pow(2).mean(-1).sqrt().median().item()  # noqa: E731 (per-token rms)
     res = {"layer_ids": ids, "prompt_len": len(prompt), "index_topk": topk,
            "rows_with_a_choice_per_layer": max(0, len(prompt) - topk),
            "min_relative_topk_margin": min(state["margins"]) if state["margins"] else None,
            "near_ties_below_1e-3": sum(m < 1e-3 for m in state["margins"]), "per_id": []}
     ok = True
     for j, k in enumerate(ids):
-        got = aux[:, j * hid:(j + 1) * hid]
+        gaps = [rms(sparse[k] - sparse[n]) for n in (k - 1, k + 1) if n in sparse]
+        if aux is None:
+            row = {"id": k, "rms_gap_to_neighbouring_layers": min(gaps),
+                   "bf16_reference_ratio": rms(bf16[k] - sparse[k]) / min(gaps),
+                   "bf16_reference_median_token_ratio": med(bf16[k] - sparse[k]) / min(gaps)}
+            res["per_id"].append(row)
+            print("REF", json.dumps(row), flush=True)
+            continue
+        got = aux[:, j * hid:(j + 1) * hid].double()
         dist = {kk: rms(got - v) for kk, v in sparse.items()}
         nearest = min(dist, key=dist.get)
-        gaps = [rms(sparse[k] - sparse[n]) for n in (k - 1, k + 1) if n in sparse]
         tail = slice(topk, None)  # the rows where the indexer drops keys
         row = {"id": k, "rms_error": dist[k], "max_abs_error": (got - sparse[k]).abs().max().item(),
                "rms_state": rms(sparse[k]), "nearest_reference_layer": nearest,
                "rms_gap_to_neighbouring_layers": min(gaps),
                "ratio_error_to_gap": dist[k] / min(gaps),
+               "median_token_ratio": med(got - sparse[k]) / min(gaps),
+               "bf16_reference_ratio": rms(bf16[k] - sparse[k]) / min(gaps),
+               "bf16_reference_median_token_ratio": med(bf16[k] - sparse[k]) / min(gaps),
                "rms_error_vs_dense_reference_after_topk": rms(got[tail] - dense[k][tail]),
                "rms_error_vs_sparse_reference_after_topk": rms(got[tail] - sparse[k][tail]),
                "rms_sparse_minus_dense_after_topk": rms(sparse[k][tail] - dense[k][tail])}
         if len(prompt) <= topk:
             for key in [x for x in row if x.endswith("_after_topk")]:
                 row[key] = None
-        row["ok"] = (nearest == k and row["ratio_error_to_gap"] < 0.1
+        # A few tokens may leave the float64 path through discrete choices
+        # that bf16 flips (the bf16 reference does too); the typical token
+        # must stay within a tenth of the gap.
+        row["ok"] = (nearest == k and row["median_token_ratio"] < 0.1
                      and (k == 0 or len(prompt) <= topk
                           or row["rms_error_vs_sparse_reference_after_topk"]
                           < 0.5 * row["rms_error_vs_dense_reference_after_topk"]))
         ok &= row["ok"]
         res["per_id"].append(row)
         print("REF", json.dumps(row), flush=True)
-    res["ok"] = ok
+    res["ok"] = ok and aux is not None
     out.write_text(json.dumps(res, indent=1))
     shutil.rmtree(view, ignore_errors=True)
     return res
@@ -300,6 +328,9 @@ def main(argv=None) -> int:
     e.add_argument("drafter")
     e.add_argument("out", type=Path)
     e.add_argument("--capture", type=Path)
+    y = sub.add_parser("yardstick", help="CPU only: an independent bf16 forward against float64")
+    y.add_argument("--kind", choices=KINDS, required=True)
+    y.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("reference")
     r.add_argument("ckpt", type=Path)
     r.add_argument("aux", type=Path)
@@ -310,6 +341,11 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         res = run_all(args.kind, args.out, args.work or Path(f"/tmp/dsa_{args.kind}"))
         return 0 if res.get("reference", {}).get("ok") else 1
+    if args.cmd == "yardstick":
+        os.environ.setdefault("EAGLE3_GPU_PROFILE", "eager")
+        target, _ = write_models(args.kind, Path(tempfile.mkdtemp(prefix="dsa_yardstick_")))
+        reference(target, None, args.out)
+        return 0
     if args.cmd == "engine":
         engine(args.target, None if args.drafter == "-" else args.drafter, args.out, args.capture)
         return 0
