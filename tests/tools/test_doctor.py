@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from stack_tooling import REPO_ROOT
 
 
 def run_doctor(site: str | None = None) -> tuple[int, list[str]]:

@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from gpu_e2e_helpers import REPO_ROOT
+
 DSA_PATH = REPO_ROOT / "tools" / "gpu_harness" / "dsa_ops.py"
 TORCH_OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
 NS_MAP = {"_C": "_C_dsa_test", "_C_cache_ops": "_C_cache_ops_dsa_test",

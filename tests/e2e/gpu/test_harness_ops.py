@@ -21,12 +21,12 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from gpu_e2e_helpers import REPO_ROOT
+
 OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
 
 NS_MAP = {
