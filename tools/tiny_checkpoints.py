@@ -485,7 +485,7 @@ def write_deepseek_v32(
     """DeepSeek-V3.2 (deepseek_v32): DeepSeek-V3 plus the DSA indexer."""
     cfg = deepseek_v3_text_config(
         architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
-        index_head_dim=32, index_n_heads=4, index_topk=64, torch_dtype=dtype)
+        index_head_dim=32, index_n_heads=4, index_topk=128, torch_dtype=dtype)
     cfg.update(overrides)
     w = WeightWriter(seed, DTYPES[dtype])
     _write_deepseek_text_weights(w, cfg, prefix="", indexer=True)

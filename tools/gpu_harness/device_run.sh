@@ -99,6 +99,6 @@ for s in $STAGES; do
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|PROBE_RESULT|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
+for f in "$OUT"/diag.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "DIAG|PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
 exit 0
