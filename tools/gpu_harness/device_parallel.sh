@@ -5,8 +5,8 @@
 # Each engine takes EAGLE3_GPU_MEM_UTIL (default 0.12) of the GPU memory, so a
 # few fit side by side; cold engine starts (about 90 s, mostly torch.compile)
 # then overlap instead of adding up. Each stage logs to $OUT/STAGE/; at the
-# end everything is packed into $OUT/parallel.tgz (the device tool returns
-# at most 8 files).
+# end everything but trained weights is packed into $OUT/parallel.tgz (the
+# device tool returns at most 8 files).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_harness_out}
 mkdir -p "$OUT"
@@ -18,4 +18,11 @@ for s in "$@"; do
 done
 wait
 for s in "$@"; do echo "== $s"; tail -12 "$OUT/$s/run.log" | cut -c1-1500; done
-tar -czf /tmp/parallel.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/parallel.tgz "$OUT/"
+# Trained weights (the bench's artifacts.tar.gz, ~10 MB each) go beside the
+# archive, one file per stage: inside it they pushed it over the size the
+# device tool returns, and the whole archive was left out (call 7).
+mkdir -p /tmp/parallel_big
+for f in $(find "$OUT" -name artifacts.tar.gz); do
+  mv "$f" "/tmp/parallel_big/artifacts_$(echo "${f#"$OUT"/}" | cut -d/ -f1).tar.gz"
+done
+tar -czf /tmp/parallel.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/parallel.tgz /tmp/parallel_big/* "$OUT/"
