@@ -229,20 +229,16 @@ def bench_engine(model, drafter, eval_prompts, train_prompts=None, batches=BENCH
 # ---------------------------------------------------------------------------
 
 
-def capture(target, drafter, seqs_path, out_path):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    h.configure_env()
-    import torch
-    from vllm import SamplingParams
-
-    seqs = json.loads(Path(seqs_path).read_text())
-    index = {tuple(s): i for i, s in enumerate(seqs)}
-    llm = _llm(target, drafter, max_num_batched_tokens=16384)
-    print(f"capture engine: profile {h.profile()}", flush=True)
+def record_prefill_aux(llm, seqs) -> tuple[list, list[int]]:
+    """Wrap the EAGLE proposer of an in-process engine so that it records,
+    for each of ``seqs`` (token id lists) served as a prompt, the aux states
+    of its prefill as the proposer receives them. Returns the list it fills
+    (one entry per sequence, None until seen) and the drafter's layer ids."""
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     proposer = runner.drafter
     orig = proposer.propose
     sig = inspect.signature(orig)
+    index = {tuple(s): i for i, s in enumerate(seqs)}
     aux = [None] * len(seqs)
 
     def recording_propose(*args, **kwargs):
@@ -252,18 +248,29 @@ def capture(target, drafter, seqs_path, out_path):
         cam = ba.arguments["common_attn_metadata"]
         qsl = cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()
         for r in range(cam.num_reqs):
-            key = tuple(tok[qsl[r]:qsl[r + 1]].tolist())
-            i = index.get(key)
+            i = index.get(tuple(tok[qsl[r]:qsl[r + 1]].tolist()))
             if i is not None and aux[i] is None:
                 aux[i] = hid[qsl[r]:qsl[r + 1]].float().cpu().clone()
         return orig(*args, **kwargs)
 
     proposer.propose = recording_propose
+    return aux, list(proposer.model.config.eagle_aux_hidden_state_layer_ids)
+
+
+def capture(target, drafter, seqs_path, out_path):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    h.configure_env()
+    import torch
+    from vllm import SamplingParams
+
+    seqs = json.loads(Path(seqs_path).read_text())
+    llm = _llm(target, drafter, max_num_batched_tokens=16384)
+    print(f"capture engine: profile {h.profile()}", flush=True)
+    aux, layer_ids = record_prefill_aux(llm, seqs)
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for i in range(0, len(seqs), 32):
         llm.generate([{"prompt_token_ids": s} for s in seqs[i:i + 32]], sp, use_tqdm=False)
     missing = [i for i, a in enumerate(aux) if a is None]
-    layer_ids = list(proposer.model.config.eagle_aux_hidden_state_layer_ids)
     torch.save({"aux": aux, "missing": missing, "layer_ids": layer_ids}, out_path)
     print(f"captured aux states for {len(seqs) - len(missing)}/{len(seqs)} sequences, "
           f"width {aux[0].shape[-1] if aux[0] is not None else None}, layer ids {layer_ids}")

@@ -81,34 +81,18 @@ def engine(target: str, drafter: str | None, out: Path, capture: Path | None) ->
     t0 = time.perf_counter()
     llm = LLM(**h.engine_kwargs(target, drafter))
     rec = {"engine_start_s": time.perf_counter() - t0, "profile": h.profile()}
-    got = {}
     if capture is not None:
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        proposer = runner.drafter
-        orig = proposer.propose
-        want = tuple(prompts[LONG]["prompt_token_ids"])
+        from bench_eagle3 import record_prefill_aux
 
-        def recording_propose(*args, **kwargs):
-            import inspect
-            ba = inspect.signature(orig).bind(*args, **kwargs)
-            tok = ba.arguments["target_token_ids"].cpu()
-            cam = ba.arguments["common_attn_metadata"]
-            qsl = cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()
-            for r in range(cam.num_reqs):
-                if "aux" not in got and tuple(tok[qsl[r]:qsl[r + 1]].tolist()) == want:
-                    got["aux"] = ba.arguments["target_hidden_states"][qsl[r]:qsl[r + 1]].float().cpu().clone()
-            return orig(*args, **kwargs)
-
-        proposer.propose = recording_propose
-        rec["aux_layer_ids"] = list(proposer.model.config.eagle_aux_hidden_state_layer_ids)
+        got, rec["aux_layer_ids"] = record_prefill_aux(llm, [prompts[LONG]["prompt_token_ids"]])
     toks, metrics = h.generate_tokens(llm, prompts, MAX_TOKENS)
     rec.update(tokens=toks, metrics=metrics)
     if capture is not None:
-        if "aux" not in got:
+        if got[0] is None:
             raise SystemExit("the long prompt's prefill never reached the proposer")
-        torch.save({"aux": got["aux"], "layer_ids": rec["aux_layer_ids"],
+        torch.save({"aux": got[0], "layer_ids": rec["aux_layer_ids"],
                     "prompt": prompts[LONG]["prompt_token_ids"]}, capture)
-        rec["captured_shape"] = list(got["aux"].shape)
+        rec["captured_shape"] = list(got[0].shape)
     out.write_text(json.dumps(rec))
     h.shutdown(llm)
 
@@ -161,6 +145,7 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
+    import bench_eagle3
     import fp64_reference
 
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -175,12 +160,7 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
     idx = {i: {k.split(".indexer.", 1)[1]: v.double() for k, v in weights.items()
                if k.startswith(f"model.layers.{i}.self_attn.indexer.")} for i in range(nlay)}
     # transformers 4.57 has no DSA model: a DeepSeek-V3 view of the same weights.
-    view = Path(tempfile.mkdtemp(prefix="dsa_ref_"))
-    dense_cfg = dict(cfg, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
-    (view / "config.json").write_text(json.dumps(dense_cfg))
-    for f in ckpt.iterdir():
-        if f.name != "config.json":
-            (view / f.name).symlink_to(f.resolve())
+    view = bench_eagle3.dense_view(ckpt)
     model = fp64_reference.load(view)
     model.config._attn_implementation = "eager"
     state = {"sparse": True, "margins": [], "dtype": torch.float64}
@@ -271,7 +251,8 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
         print("REF", json.dumps(row), flush=True)
     res["ok"] = ok and aux is not None
     out.write_text(json.dumps(res, indent=1))
-    shutil.rmtree(view, ignore_errors=True)
+    if view != ckpt:
+        shutil.rmtree(view, ignore_errors=True)
     return res
 
 
