@@ -20,7 +20,9 @@
 #   cache-nopatch  the same without the compile-cache patch (NOPATCH_FILE)
 #   control  bench_eagle3.py control: the trained drafter with other aux ids
 #   dsa-glm5, dsa-v32  tests/e2e/gpu/test_eagle3_dsa.py for one DSA target:
-#          float64 check of the aux states, acceptance (eager bf16)
+#          float64 check of the aux states, acceptance (eager bf16);
+#          dsa-aux-glm5, dsa-acceptance-v32, ... run one of the two tests
+#          (the rest of the name becomes pytest's -k, "-" read as "and")
 #   server-kimi  the server stage with Kimi-K2.5 and the MLA drafter
 # Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
 # Stops before the 10-minute limit of one device call (BUDGET_S, default 570).
@@ -89,12 +91,12 @@ for s in $STAGES; do
              python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" --tag without-compile-cache-patch ${CACHE_ARGS:-} ;;
     bench-prod) stage bench-prod ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --profile production --out "$OUT/bench" ${BENCH_ARGS:-} ;;
     cache) stage cache ${CACHE_LIMIT_S:-300} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" ${CACHE_ARGS:-} ;;
-    dsa-glm5|dsa-v32)
+    dsa-*)
       # DSA targets through the GPU suite (tests/e2e/gpu/test_eagle3_dsa.py):
       # EAGLE3_HARNESS_DSA=1 installs dsa_ops.py's stand-ins; the DeepGEMM
       # warm-up is for fp8 GEMMs, which these bf16 models have none of.
       stage "$s" ${DSA_LIMIT_S:-540} "$OUT/$s.log" env EAGLE3_HARNESS_DSA=1 VLLM_DEEP_GEMM_WARMUP=skip \
-        python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "${s#dsa-}" ${DSA_PYTEST_ARGS:-} ;;
+        python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "$(k=${s#dsa-}; echo "${k//-/ and }")" ${DSA_PYTEST_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
 done
