@@ -8,10 +8,11 @@ EAGLE3_HARNESS_DSA=1). bf16, eager (EAGLE3_GPU_PROFILE=eager).
 
 1. The aux states are right (tools/gpu_harness/dsa_check.py): a tiny target
    with the published attention geometry and index_topk 128 serves a
-   256-token prompt with a random drafter; each captured state must be the
-   float64 reference's input of its own layer (nearest of all layers, error
-   below a tenth of the gap to the neighbouring layers) and closer to the
-   sparse reference than to a dense one (the indexer's choice reached it).
+   256-token prompt with a random drafter; each captured state must be
+   nearest the float64 reference's input of its own layer, nearer the sparse
+   reference than a dense one (the indexer's choice reached it), and no
+   further from float64 than a tenth of the neighbouring-layer gap or 1.5x
+   an independent forward at the served precision (bf16, fp8 indexer).
 2. Acceptance (tools/gpu_harness/bench_eagle3.py --kind): a target trained
    on the bench's skip-rule language and a drafter trained on its captured
    states reach a mean acceptance length of at least 3.0 at k = 3; a random
@@ -65,13 +66,8 @@ def test_dsa_aux_states_match_float64_reference(kind, tmp_path, results_dir):
     assert "error" not in ref, ref["error"]
     assert ref["rows_with_a_choice_per_layer"] > 0  # top-k below the prompt length
     for row in ref["per_id"]:
-        assert row["nearest_reference_layer"] == row["id"], row
-        # Per token: a few tokens leave the float64 path through routing and
-        # top-k near-ties that bf16 flips (an independent bf16 forward does
-        # too: bf16_reference_ratio); the median token must not.
-        assert row["median_token_ratio"] < 0.1, row
-        assert (row["rms_error_vs_sparse_reference_after_topk"]
-                < 0.5 * row["rms_error_vs_dense_reference_after_topk"]), row
+        assert row["ok"], row  # the criterion: dsa_check.reference
+    assert ref["ok"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
