@@ -25,12 +25,13 @@ any other layer's, and nearer the sparse reference than a dense one (the same
 forward with every key kept): the states come from the right layers of a
 sparse forward. Its error must be below a tenth of the gap to the neighbouring
 layers, or within 1.5x of the error of an independent forward at the served
-precision (``served_reference_*``: the same sparse forward in bf16 with the
+precision (overall, for the median token, and over the rows past top-k;
+``served_reference_*``: the same sparse forward in bf16 with the
 indexer's q and k through fp8, as vLLM and DeepSeek's inference code run it;
 ``bf16_reference_*`` keeps the indexer unquantized). On the tiny random
 targets, routing and top-k near-ties flip at that precision and the flipped
-tokens leave the float64 path, so the deeper ids cannot reach a tenth of the
-gap in any implementation (``yardstick`` measures it on the CPU alone).
+tokens leave the float64 path: at the deepest id the independent forward is
+itself half a gap away (``yardstick`` measures it on the CPU alone).
 Results: DIR/dsa_<kind>.json.
 """
 
@@ -232,50 +233,48 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
            "rows_with_a_choice_per_layer": max(0, len(prompt) - topk),
            "min_relative_topk_margin": min(state["margins"]) if state["margins"] else None,
            "near_ties_below_1e-3": sum(m < 1e-3 for m in state["margins"]), "per_id": []}
+    tail = slice(topk, None)  # the rows where the indexer drops keys
+    choice = len(prompt) > topk
+
+    def against_reference(x, k, gap):
+        """How far states ``x`` of layer ``k`` are from the float64 sparse
+        forward (relative to ``gap``), and after top-k from sparse and dense."""
+        r = {"ratio": rms(x - sparse[k]) / gap, "median_token_ratio": med(x - sparse[k]) / gap}
+        if choice:
+            r.update(vs_sparse_after_topk=rms(x[tail] - sparse[k][tail]),
+                     vs_dense_after_topk=rms(x[tail] - dense[k][tail]))
+        return r
+
     ok = True
     for j, k in enumerate(ids):
-        gaps = [rms(sparse[k] - sparse[n]) for n in (k - 1, k + 1) if n in sparse]
+        gap = min(rms(sparse[k] - sparse[n]) for n in (k - 1, k + 1) if n in sparse)
+        row = {"id": k, "rms_gap_to_neighbouring_layers": gap,
+               **{f"bf16_reference_{n}": v for n, v in against_reference(bf16[k], k, gap).items()},
+               **{f"served_reference_{n}": v for n, v in against_reference(served[k], k, gap).items()}}
         if aux is None:
-            row = {"id": k, "rms_gap_to_neighbouring_layers": min(gaps),
-                   "bf16_reference_ratio": rms(bf16[k] - sparse[k]) / min(gaps),
-                   "bf16_reference_median_token_ratio": med(bf16[k] - sparse[k]) / min(gaps),
-                   "served_reference_ratio": rms(served[k] - sparse[k]) / min(gaps),
-                   "served_reference_median_token_ratio": med(served[k] - sparse[k]) / min(gaps)}
             res["per_id"].append(row)
             print("REF", json.dumps(row), flush=True)
             continue
         got = aux[:, j * hid:(j + 1) * hid].double()
         dist = {kk: rms(got - v) for kk, v in sparse.items()}
         nearest = min(dist, key=dist.get)
-        tail = slice(topk, None)  # the rows where the indexer drops keys
-        row = {"id": k, "rms_error": dist[k], "max_abs_error": (got - sparse[k]).abs().max().item(),
-               "rms_state": rms(sparse[k]), "nearest_reference_layer": nearest,
-               "rms_gap_to_neighbouring_layers": min(gaps),
-               "ratio_error_to_gap": dist[k] / min(gaps),
-               "median_token_ratio": med(got - sparse[k]) / min(gaps),
-               "bf16_reference_ratio": rms(bf16[k] - sparse[k]) / min(gaps),
-               "bf16_reference_median_token_ratio": med(bf16[k] - sparse[k]) / min(gaps),
-               "served_reference_ratio": rms(served[k] - sparse[k]) / min(gaps),
-               "served_reference_median_token_ratio": med(served[k] - sparse[k]) / min(gaps),
-               "rms_error_vs_dense_reference_after_topk": rms(got[tail] - dense[k][tail]),
-               "rms_error_vs_sparse_reference_after_topk": rms(got[tail] - sparse[k][tail]),
-               "rms_sparse_minus_dense_after_topk": rms(sparse[k][tail] - dense[k][tail])}
-        if len(prompt) <= topk:
-            for key in [x for x in row if x.endswith("_after_topk")]:
-                row[key] = None
+        mine = against_reference(got, k, gap)
+        row.update({"rms_error": dist[k], "max_abs_error": (got - sparse[k]).abs().max().item(),
+                    "rms_state": rms(sparse[k]), "nearest_reference_layer": nearest, **mine})
         # Routing and top-k near-ties flip at the served precision, and on a
         # random target the flipped tokens leave the float64 path for good:
-        # the independent served-precision forward reaches 0.10 of the gap
-        # for the median token and 0.51 overall at DeepSeek-V3.2's id 6. So
-        # each error must be below a tenth of the gap or within 1.5x of that
-        # forward's; the layer and the sparsity are checked on their own.
+        # at DeepSeek-V3.2's id 6 the independent served-precision forward is
+        # 0.51 of the gap away (0.10 for the median token) and only 2.06x
+        # nearer the sparse reference than the dense one. So each error must
+        # be below a tenth of the gap or within 1.5x of that forward's, and
+        # the states nearer their own layer, and the sparse forward, than any
+        # other.
         row["ok"] = (nearest == k
-                     and all(row[mine] < 0.1 or row[mine] <= 1.5 * row[theirs] for mine, theirs in (
-                         ("ratio_error_to_gap", "served_reference_ratio"),
-                         ("median_token_ratio", "served_reference_median_token_ratio")))
-                     and (k == 0 or len(prompt) <= topk
-                          or row["rms_error_vs_sparse_reference_after_topk"]
-                          < 0.5 * row["rms_error_vs_dense_reference_after_topk"]))
+                     and all(mine[n] < 0.1 or mine[n] <= 1.5 * row[f"served_reference_{n}"]
+                             for n in ("ratio", "median_token_ratio"))
+                     and (k == 0 or not choice
+                          or mine["vs_sparse_after_topk"] < mine["vs_dense_after_topk"]
+                          and mine["vs_sparse_after_topk"] <= 1.5 * row["served_reference_vs_sparse_after_topk"]))
         ok &= row["ok"]
         res["per_id"].append(row)
         print("REF", json.dumps(row), flush=True)
