@@ -25,4 +25,5 @@ mkdir -p /tmp/parallel_big
 for f in $(find "$OUT" -name artifacts.tar.gz); do
   mv "$f" "/tmp/parallel_big/artifacts_$(echo "${f#"$OUT"/}" | cut -d/ -f1).tar.gz"
 done
-tar -czf /tmp/parallel.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/parallel.tgz /tmp/parallel_big/* "$OUT/"
+tar -czf /tmp/parallel.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/parallel.tgz "$OUT/"
+find /tmp/parallel_big -type f -exec mv {} "$OUT/" \;
