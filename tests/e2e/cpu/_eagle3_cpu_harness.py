@@ -410,11 +410,6 @@ def running_engine(**kwargs: Any) -> Iterator[Any]:
         shutdown_engine(llm)
 
 
-def report(llm: Any) -> dict[str, Any]:
-    (rep,) = llm.collective_rpc("eagle3_e2e_report")
-    return rep
-
-
 def run_prompts(
     model: str | Path,
     draft: str | Path | None,
@@ -426,21 +421,31 @@ def run_prompts(
 ) -> dict[str, Any]:
     """Start an engine, generate greedily for ``prompts`` as one batch, stop it.
 
-    Returns prompt and output token ids and the worker's report (aux setup and
-    every recorded step)."""
+    Returns prompt and output token ids, each worker's report (aux setup and
+    every recorded step; ``report`` is rank 0's) and parallel info, in rank
+    order, and the engine's start and total seconds."""
+    import time
+
     from vllm import SamplingParams
 
     kwargs = engine_kwargs(
         model, draft=draft, max_num_batched_tokens=step_budget, **overrides
     )
+    start = time.monotonic()
     with running_engine(**kwargs) as llm:
+        started = time.monotonic() - start
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate(list(prompts), params, use_tqdm=False)
-        rep = report(llm)
+        reports = llm.collective_rpc("eagle3_e2e_report")
+        info = llm.collective_rpc("eagle3_e2e_parallel_info")
     return {
         "prompt_ids": [list(o.prompt_token_ids) for o in outs],
         "output_ids": [list(o.outputs[0].token_ids) for o in outs],
-        "report": rep,
+        "report": reports[0],
+        "reports": list(reports),
+        "parallel_info": list(info),
+        "start_s": started,
+        "total_s": time.monotonic() - start,
     }
 
 
@@ -675,38 +680,3 @@ def parallel_engine_env(world_size: int = 2) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = "1"
     return env
-
-
-def run_prompts_all_ranks(
-    model: str | Path,
-    draft: str | Path | None,
-    prompts: Sequence[str],
-    *,
-    max_tokens: int,
-    step_budget: int,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """run_prompts for an engine with several workers: ``reports`` and
-    ``parallel_info`` hold one entry per worker, in rank order."""
-    import time
-
-    from vllm import SamplingParams
-
-    kwargs = engine_kwargs(
-        model, draft=draft, max_num_batched_tokens=step_budget, **overrides
-    )
-    start = time.monotonic()
-    with running_engine(**kwargs) as llm:
-        started = time.monotonic() - start
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate(list(prompts), params, use_tqdm=False)
-        reports = llm.collective_rpc("eagle3_e2e_report")
-        info = llm.collective_rpc("eagle3_e2e_parallel_info")
-    return {
-        "prompt_ids": [list(o.prompt_token_ids) for o in outs],
-        "output_ids": [list(o.outputs[0].token_ids) for o in outs],
-        "reports": list(reports),
-        "parallel_info": list(info),
-        "start_s": started,
-        "total_s": time.monotonic() - start,
-    }

@@ -71,24 +71,14 @@ MIN_MARGIN = 100.0
 
 @pytest.fixture(scope="module")
 def aux_on(harness: ModuleType, tiny_ckpts: dict[str, Any]) -> dict[str, Any]:
-    return harness.run_prompts(
-        tiny_ckpts["dsv3"],
-        tiny_ckpts["draft_all_ids"],
-        PROMPTS,
-        max_tokens=MAX_TOKENS,
-        step_budget=STEP_TOKEN_BUDGET,
-    )
+    return harness.run_prompts(tiny_ckpts["dsv3"], tiny_ckpts["draft_all_ids"], PROMPTS,
+                               max_tokens=MAX_TOKENS, step_budget=STEP_TOKEN_BUDGET)
 
 
 @pytest.fixture(scope="module")
 def aux_off(harness: ModuleType, tiny_ckpts: dict[str, Any]) -> dict[str, Any]:
-    return harness.run_prompts(
-        tiny_ckpts["dsv3"],
-        None,
-        PROMPTS,
-        max_tokens=MAX_TOKENS,
-        step_budget=STEP_TOKEN_BUDGET,
-    )
+    return harness.run_prompts(tiny_ckpts["dsv3"], None, PROMPTS,
+                               max_tokens=MAX_TOKENS, step_budget=STEP_TOKEN_BUDGET)
 
 
 @pytest.fixture(scope="module")

@@ -102,28 +102,17 @@ def worker_processes(
 
 @pytest.fixture(scope="module")
 def tp1(harness: ModuleType, tiny_ckpts: dict[str, Any]) -> dict[str, Any]:
-    return harness.run_prompts_all_ranks(
-        tiny_ckpts["dsv3"],
-        tiny_ckpts["draft_all_ids"],
-        PROMPTS,
-        max_tokens=MAX_TOKENS,
-        step_budget=STEP_TOKEN_BUDGET,
-    )
+    return harness.run_prompts(tiny_ckpts["dsv3"], tiny_ckpts["draft_all_ids"], PROMPTS,
+                               max_tokens=MAX_TOKENS, step_budget=STEP_TOKEN_BUDGET)
 
 
 @pytest.fixture(scope="module")
 def tp2(
     harness: ModuleType, tiny_ckpts: dict[str, Any], worker_processes: Any
 ) -> dict[str, Any]:
-    return harness.run_prompts_all_ranks(
-        tiny_ckpts["dsv3"],
-        tiny_ckpts["draft_all_ids"],
-        PROMPTS,
-        max_tokens=MAX_TOKENS,
-        step_budget=STEP_TOKEN_BUDGET,
-        tensor_parallel_size=2,
-        distributed_executor_backend="mp",
-    )
+    return harness.run_prompts(tiny_ckpts["dsv3"], tiny_ckpts["draft_all_ids"], PROMPTS,
+                               max_tokens=MAX_TOKENS, step_budget=STEP_TOKEN_BUDGET,
+                               tensor_parallel_size=2, distributed_executor_backend="mp")
 
 
 def _check_capture_setup(rep: dict[str, Any], n_layers: int) -> None:
@@ -234,15 +223,9 @@ def pp2_plain(
     harness: ModuleType, tiny_ckpts: dict[str, Any], worker_processes: Any
 ) -> dict[str, Any]:
     """PP = 2 without EAGLE-3 (no draft: the harness worker only records)."""
-    return harness.run_prompts_all_ranks(
-        tiny_ckpts["dsv3"],
-        None,
-        PROMPTS,
-        max_tokens=MAX_TOKENS,
-        step_budget=STEP_TOKEN_BUDGET,
-        pipeline_parallel_size=2,
-        distributed_executor_backend="mp",
-    )
+    return harness.run_prompts(tiny_ckpts["dsv3"], None, PROMPTS,
+                               max_tokens=MAX_TOKENS, step_budget=STEP_TOKEN_BUDGET,
+                               pipeline_parallel_size=2, distributed_executor_backend="mp")
 
 
 @pytest.mark.regression

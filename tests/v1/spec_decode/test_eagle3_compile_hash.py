@@ -14,65 +14,21 @@ the hash, not on the target allow-list.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.config.speculative import SpeculativeConfig
 
-COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    vocab_size=256,
-    max_position_embeddings=128,
-    torch_dtype="bfloat16",
-)
-LLAMA_TARGET = dict(
-    COMMON, architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=8
-)
-DEEPSEEK_TARGET = dict(
-    COMMON,
-    architectures=["DeepseekV3ForCausalLM"],
-    model_type="deepseek_v3",
-    num_hidden_layers=8,
-    moe_intermediate_size=32,
-    kv_lora_rank=16,
-    q_lora_rank=None,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-)
-LLAMA_DRAFTER = dict(
-    COMMON,
-    architectures=["LlamaForCausalLMEagle3"],
-    model_type="llama",
-    num_hidden_layers=1,
-    draft_vocab_size=256,
-    eagle_aux_hidden_state_layer_ids=[1, 4, 7],
-)
+IDS = [1, 4, 7]
 
 
-def _write(path: Path, config: dict) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
-def _target(tmp_path: Path, config: dict = LLAMA_TARGET) -> ModelConfig:
-    path = _write(tmp_path / f"target_{config['model_type']}", config)
+def _model_config(path: str) -> ModelConfig:
     return ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True, dtype="bfloat16")
 
 
-def _spec(target: ModelConfig, drafter: str, method: str = "eagle3") -> SpeculativeConfig:
+def _spec(target: ModelConfig, drafter: str) -> SpeculativeConfig:
     return SpeculativeConfig(
-        method=method,
+        method="eagle3",
         model=drafter,
         num_speculative_tokens=3,
         target_model_config=target,
@@ -80,80 +36,70 @@ def _spec(target: ModelConfig, drafter: str, method: str = "eagle3") -> Speculat
     )
 
 
-def _hash_with(tmp_path: Path, target: ModelConfig, **drafter_fields) -> str:
+@pytest.fixture
+def target(tiny_config) -> ModelConfig:
+    return _model_config(tiny_config("llama", "target"))
+
+
+@pytest.fixture
+def hash_with(tiny_config):
     """The hash for a drafter written to one fixed directory: only the
     config contents differ between calls, not the path."""
-    return _spec(target, _write(tmp_path / "drafter", dict(LLAMA_DRAFTER, **drafter_fields))).compute_hash()
+
+    def compute(target: ModelConfig, **drafter_fields) -> str:
+        fields = {"eagle_aux_hidden_state_layer_ids": IDS, **drafter_fields}
+        return _spec(target, tiny_config("llama_eagle3", "drafter", **fields)).compute_hash()
+
+    return compute
 
 
 @pytest.mark.regression
-def test_same_drafter_same_hash(tmp_path):
-    target = _target(tmp_path)
-    assert _hash_with(tmp_path, target) == _hash_with(tmp_path, target)
+def test_same_drafter_same_hash(target, hash_with):
+    assert hash_with(target) == hash_with(target)
 
 
-def test_aux_layer_ids_change_the_hash(tmp_path):
-    target = _target(tmp_path)
-    published_v3 = _hash_with(tmp_path, target, eagle_aux_hidden_state_layer_ids=[1, 4, 7])
-    other = _hash_with(tmp_path, target, eagle_aux_hidden_state_layer_ids=[2, 4, 5])
-    assert published_v3 != other
+def test_aux_layer_ids_change_the_hash(target, hash_with):
+    assert hash_with(target) != hash_with(target, eagle_aux_hidden_state_layer_ids=[2, 4, 5])
 
 
-def test_drafter_without_ids_hashes_apart_from_one_with_ids(tmp_path):
-    target = _target(tmp_path)
-    fields = dict(LLAMA_DRAFTER)
-    del fields["eagle_aux_hidden_state_layer_ids"]
-    path = tmp_path / "drafter_no_ids"
-    no_ids = _spec(target, _write(path, fields)).compute_hash()
+def test_drafter_without_ids_hashes_apart_from_one_with_ids(target, tiny_config):
+    no_ids = _spec(target, tiny_config("llama_eagle3", "drafter")).compute_hash()
     # Same directory, now with ids: only the ids differ.
-    with_ids = _spec(target, _write(path, dict(fields, eagle_aux_hidden_state_layer_ids=[1, 4, 7]))).compute_hash()
-    assert no_ids != with_ids
+    drafter = tiny_config("llama_eagle3", "drafter", eagle_aux_hidden_state_layer_ids=IDS)
+    assert no_ids != _spec(target, drafter).compute_hash()
 
 
-def test_use_aux_hidden_state_changes_the_hash(tmp_path):
-    target = _target(tmp_path)
-    uses_aux = _hash_with(tmp_path, target)
-    no_aux = _hash_with(tmp_path, target, eagle_config={"use_aux_hidden_state": False})
-    assert uses_aux != no_aux
+def test_use_aux_hidden_state_changes_the_hash(target, hash_with):
+    assert hash_with(target) != hash_with(target, eagle_config={"use_aux_hidden_state": False})
 
 
-def test_another_drafter_in_the_same_directory_changes_the_hash(tmp_path):
+def test_another_drafter_in_the_same_directory_changes_the_hash(target, hash_with):
     # Same path, same aux ids: only the drafter's own config differs, so this
     # fails unless the draft config's contents reach the hash.
-    target = _target(tmp_path)
-    assert _hash_with(tmp_path, target) != _hash_with(
-        tmp_path, target, intermediate_size=256
-    )
+    assert hash_with(target) != hash_with(target, intermediate_size=256)
 
 
-def test_nested_aux_layer_ids_change_the_hash(tmp_path):
-    target = _target(tmp_path)
-    fields = dict(LLAMA_DRAFTER)
-    del fields["eagle_aux_hidden_state_layer_ids"]
-
+def test_nested_aux_layer_ids_change_the_hash(target, tiny_config):
     def nested(ids):
-        config = dict(fields, eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
-        return _spec(target, _write(tmp_path / "drafter", config)).compute_hash()
+        drafter = tiny_config("llama_eagle3", "drafter", eagle_config={"eagle_aux_hidden_state_layer_ids": ids})
+        return _spec(target, drafter).compute_hash()
 
-    assert nested([1, 4, 7]) != nested([2, 4, 5])
-
-
-def test_deepseek_target_hash_follows_the_aux_layer_ids(tmp_path):
-    target = _target(tmp_path, DEEPSEEK_TARGET)
-    assert _hash_with(tmp_path, target, eagle_aux_hidden_state_layer_ids=[1, 4, 7]) != _hash_with(
-        tmp_path, target, eagle_aux_hidden_state_layer_ids=[2, 4, 5]
-    )
+    assert nested(IDS) != nested([2, 4, 5])
 
 
-def test_vllm_config_hash_names_another_cache_directory(tmp_path):
+def test_deepseek_target_hash_follows_the_aux_layer_ids(tiny_config, hash_with):
+    target = _model_config(tiny_config("deepseek_v3", "target_deepseek_v3"))
+    assert hash_with(target) != hash_with(target, eagle_aux_hidden_state_layer_ids=[2, 4, 5])
+
+
+def test_vllm_config_hash_names_another_cache_directory(target, tiny_config):
     """What names the cache directory (VllmConfig.compute_hash) changes too."""
-    target = _target(tmp_path)
 
     def vllm_hash(ids):
-        spec = _spec(target, _write(tmp_path / "drafter", dict(LLAMA_DRAFTER, eagle_aux_hidden_state_layer_ids=ids)))
+        spec = _spec(target, tiny_config("llama_eagle3", "drafter", eagle_aux_hidden_state_layer_ids=ids))
         # An explicit device: without a GPU the CUDA build cannot infer one.
         return VllmConfig(
             model_config=target, speculative_config=spec, device_config=DeviceConfig(device="cpu")
         ).compute_hash()
 
-    assert vllm_hash([1, 4, 7]) != vllm_hash([2, 4, 5])
+    assert vllm_hash(IDS) != vllm_hash([2, 4, 5])

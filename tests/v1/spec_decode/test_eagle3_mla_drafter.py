@@ -10,68 +10,29 @@ drafter's fused hidden states on, with no engine behind it.
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-HIDDEN = 64
-ATTN = dict(
-    hidden_size=HIDDEN,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    vocab_size=256,
-    max_position_embeddings=128,
-    torch_dtype="float32",
-)
-TARGET = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    model_type="deepseek_v3",
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    **ATTN,
-)
+HIDDEN = 64  # the tiny configs' hidden_size (conftest.py)
+MLA = dict(q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+           torch_dtype="float32")
 EAGLE3_FIELDS = dict(draft_vocab_size=128, eagle_aux_hidden_state_layer_ids=[1, 2, 4])
-DRAFT = dict(
-    architectures=["Eagle3DeepseekV2ForCausalLM"],
-    model_type="deepseek_v3",
-    intermediate_size=128,
-    num_hidden_layers=1,
-    n_routed_experts=None,
-    **ATTN,
-    **EAGLE3_FIELDS,
-)
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3_mla_configs")
-
-    def write(name: str, **config) -> str:
-        path = root / name
-        path.mkdir()
-        (path / "config.json").write_text(json.dumps(config))
-        return str(path)
-
-    return SimpleNamespace(root=root, write=write, target=write("target", **TARGET))
+DRAFT = dict(MLA, architectures=["Eagle3DeepseekV2ForCausalLM"], num_hidden_layers=1,
+             n_routed_experts=None, **EAGLE3_FIELDS)
 
 
 @pytest.fixture
-def in_tmp(monkeypatch, dirs):
+def dirs(tiny_config, tmp_path, monkeypatch):
     # The registry inspects model classes in a `python -m` subprocess, which
     # from the repository root would import the pristine vllm/ tree there.
-    monkeypatch.chdir(dirs.root)
+    monkeypatch.chdir(tmp_path)
+    return SimpleNamespace(
+        write=lambda name, **fields: tiny_config("deepseek_v3", name, **fields),
+        target=tiny_config("deepseek_v3", "target", num_hidden_layers=4, **MLA),
+    )
 
 
 def speculative_config(dirs, draft: str, method: str | None = "eagle3"):
@@ -92,7 +53,7 @@ def speculative_config(dirs, draft: str, method: str | None = "eagle3"):
 # ------------------------------------------------- SpeculativeConfig routing
 
 
-def test_deepseek_type_eagle3_drafter_keeps_its_architecture(dirs, in_tmp):
+def test_deepseek_type_eagle3_drafter_keeps_its_architecture(dirs):
     config = speculative_config(dirs, dirs.write("mla_draft", **DRAFT))
     draft = config.draft_model_config
     assert draft.architectures == ["Eagle3DeepseekV2ForCausalLM"]
@@ -101,7 +62,7 @@ def test_deepseek_type_eagle3_drafter_keeps_its_architecture(dirs, in_tmp):
     assert draft.hf_config.eagle_aux_hidden_state_layer_ids == [1, 2, 4]
 
 
-def test_plain_deepseek_v3_drafter_with_method_eagle3(dirs, in_tmp):
+def test_plain_deepseek_v3_drafter_with_method_eagle3(dirs):
     # No EAGLE-3 field at all: the explicit method decides.
     plain = {**DRAFT, "architectures": ["DeepseekV3ForCausalLM"]}
     for key in EAGLE3_FIELDS:
@@ -111,7 +72,7 @@ def test_plain_deepseek_v3_drafter_with_method_eagle3(dirs, in_tmp):
     assert config.draft_model_config.architecture == "Eagle3DeepseekV3ForCausalLM"
 
 
-def test_method_detected_from_the_name_keeps_the_drafter(dirs, in_tmp):
+def test_method_detected_from_the_name_keeps_the_drafter(dirs):
     # method None: "eagle3" in the path selects EAGLE-3 only after the draft
     # config was loaded, so the EAGLE-3 fields must keep it out of MTP.
     path = dirs.write(

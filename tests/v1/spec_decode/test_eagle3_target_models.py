@@ -10,7 +10,6 @@ SpeculativeConfig from tiny local config files.
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -134,59 +133,11 @@ def test_eagle3_rejects_deepseek_vl2_whose_text_config_is_deepseek_v2():
 # ------------------------------------------------- full SpeculativeConfig
 
 
-def _write_config(path, **config):
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3_targets")
-    target = _write_config(
-        root / "target",
-        architectures=["DeepseekV3ForCausalLM"],
-        model_type="deepseek_v3",
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=256,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        max_position_embeddings=128,
-        torch_dtype="bfloat16",
-    )
-    draft = _write_config(
-        root / "draft",
-        architectures=["LlamaForCausalLMEagle3"],
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=256,
-        draft_vocab_size=256,
-        max_position_embeddings=128,
-        torch_dtype="bfloat16",
-        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
-    )
-    return target, draft
-
-
-def test_speculative_config_accepts_deepseek_v3_target(tiny_checkpoints):
+def test_speculative_config_accepts_deepseek_v3_target(tiny_config):
     from vllm.config import ModelConfig, ParallelConfig
 
-    target, draft = tiny_checkpoints
+    target = tiny_config("deepseek_v3", "target", num_hidden_layers=4)
+    draft = tiny_config("llama_eagle3", "draft", eagle_aux_hidden_state_layer_ids=[1, 2, 3])
     target_config = ModelConfig(
         model=target, tokenizer=target, skip_tokenizer_init=True, dtype="bfloat16"
     )
