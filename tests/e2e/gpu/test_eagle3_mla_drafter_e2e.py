@@ -38,23 +38,7 @@ import json
 import pytest
 
 # conftest.py puts this directory on sys.path.
-from gpu_e2e_helpers import (
-    DSV3_MAX_TOKENS as MAX_TOKENS,
-    DSV3_PROMPT_LENGTHS as PROMPT_LENGTHS,
-    DSV3_PROMPT_SEED as PROMPT_SEED,
-    NUM_SPEC_TOKENS,
-    _tiny,
-    assert_drafted,
-    assert_same_tokens,
-    configure_env,
-    engine_kwargs,
-    generate_tokens,
-    SMOKE_ONLY,
-    harness_in_use,
-    profile,
-    shutdown,
-    token_prompts,
-)
+import gpu_e2e_helpers as h
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -63,16 +47,16 @@ DRAFTER_ARCH = "Eagle3DeepseekV2ForCausalLM"
 
 @pytest.fixture(scope="module", autouse=True)
 def _env():
-    if profile() != "smoke":
-        pytest.skip(SMOKE_ONLY)
-    configure_env()
+    if h.profile() != "smoke":
+        pytest.skip(h.SMOKE_ONLY)
+    h.configure_env()
 
 
 @pytest.fixture(scope="module")
 def mla_drafters(tmp_path_factory):
     """One MLA drafter per declared model type, same weights (seed 4), sized
     for the deepseek-v3 target: aux ids (1, 3, 6), draft vocab 256."""
-    tiny = _tiny()
+    tiny = h._tiny()
     root = tmp_path_factory.mktemp("eagle3-mla-drafters")
     return {
         model_type: tiny.write_checkpoint(
@@ -85,26 +69,26 @@ def mla_drafters(tmp_path_factory):
 def _serve(model, prompts, max_tokens, drafter=None):
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(model, drafter))
+    llm = LLM(**h.engine_kwargs(model, drafter))
     try:
         arch = None
         if drafter is not None:
             spec = llm.llm_engine.vllm_config.speculative_config
             arch = spec.draft_model_config.architecture
-        tokens, metrics = generate_tokens(llm, prompts, max_tokens)
+        tokens, metrics = h.generate_tokens(llm, prompts, max_tokens)
         return tokens, metrics, arch
     finally:
-        shutdown(llm)
+        h.shutdown(llm)
 
 
 @pytest.fixture(scope="module")
 def plain_dsv3(tiny_ckpts):
     # The Llama-drafter test's vetted prompt set: the plain greedy path
     # depends only on the target and the prompts.
-    prompts = token_prompts(PROMPT_LENGTHS, seed=PROMPT_SEED)
-    tokens, metrics, _ = _serve(tiny_ckpts.deepseek_v3, prompts, MAX_TOKENS)
+    prompts = h.token_prompts(h.DSV3_PROMPT_LENGTHS, seed=h.DSV3_PROMPT_SEED)
+    tokens, metrics, _ = _serve(tiny_ckpts.deepseek_v3, prompts, h.DSV3_MAX_TOKENS)
     assert metrics["num_drafts"] == 0
-    assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert all(len(t) == h.DSV3_MAX_TOKENS for t in tokens)
     return prompts, tokens
 
 
@@ -114,26 +98,26 @@ def test_smoke_deepseek_v3_mla_drafter_greedy_equals_plain(
 ):
     prompts, plain = plain_dsv3
     spec, metrics, arch = _serve(
-        tiny_ckpts.deepseek_v3, prompts, MAX_TOKENS, drafter=mla_drafters[model_type]
+        tiny_ckpts.deepseek_v3, prompts, h.DSV3_MAX_TOKENS, drafter=mla_drafters[model_type]
     )
     (results_dir / f"deepseek_v3_eagle3_mla_{model_type}.json").write_text(
         json.dumps(
             {
                 "drafter_model_type": model_type,
                 "drafter_architecture": arch,
-                "prompt_lengths": PROMPT_LENGTHS,
-                "prompt_seed": PROMPT_SEED,
-                "max_tokens": MAX_TOKENS,
-                "num_speculative_tokens": NUM_SPEC_TOKENS,
+                "prompt_lengths": h.DSV3_PROMPT_LENGTHS,
+                "prompt_seed": h.DSV3_PROMPT_SEED,
+                "max_tokens": h.DSV3_MAX_TOKENS,
+                "num_speculative_tokens": h.NUM_SPEC_TOKENS,
                 "equal": plain == spec,
                 "plain": plain,
                 "eagle3": spec,
                 "spec_decode_metrics": metrics,
-                "harness": harness_in_use(),
+                "harness": h.harness_in_use(),
             },
             indent=1,
         )
     )
     assert arch == DRAFTER_ARCH
-    assert_same_tokens(plain, spec, f"EAGLE-3 (MLA drafter, {model_type})")
-    assert_drafted(metrics)
+    h.assert_same_tokens(plain, spec, f"EAGLE-3 (MLA drafter, {model_type})")
+    h.assert_drafted(metrics)
