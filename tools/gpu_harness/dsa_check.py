@@ -134,11 +134,12 @@ def _fp8_dequant(t):
     return ((g / s).to(torch.float8_e4m3fn).to(t.dtype) * s).reshape(t.shape)
 
 
-def index_scores(cfg: dict, wts: dict, x, q_resid, fp8: bool = False):
+def index_scores(cfg: dict, wts: dict, x, q_resid, fp8: bool = False, relu: bool = True):
     """The indexer's logits for one sequence, [S, S] (-inf above the diagonal):
     sum over heads of ReLU(q_h . k) * weights_proj(x)_h * n_heads^-0.5 *
     index_head_dim^-0.5, RoPE on the first qk_rope_head_dim dims; with
-    ``fp8``, q and k pass through fp8 first, as served."""
+    ``fp8``, q and k pass through fp8 first, as served. ``relu=False`` is
+    transformers 5's GlmMoeDsa indexer (a CPU test's wrong forward)."""
     import torch
 
     nh, hd, rd = cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
@@ -153,14 +154,18 @@ def index_scores(cfg: dict, wts: dict, x, q_resid, fp8: bool = False):
     if fp8:
         q, k = _fp8_dequant(q), _fp8_dequant(k)
     w = (x @ wts["weights_proj.weight"].T) * nh ** -0.5 * hd ** -0.5  # [S, H]
-    logits = torch.einsum("shd,td->sht", q, k).clamp_min(0)
+    logits = torch.einsum("shd,td->sht", q, k)
+    logits = logits.clamp_min(0) if relu else logits
     sc = torch.einsum("sht,sh->st", logits, w)
     return sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
 
 
-def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
-    """Without ``aux_path`` (``yardstick``): only the independent bf16
-    forward against float64, for the long prompt."""
+def layer_inputs(ckpt: Path, prompt: list[int], runs: dict[str, dict]) -> tuple[dict, list[float]]:
+    """Each layer's input (and the last layer's output) for ``prompt`` in
+    independent forwards of the checkpoint, one per entry of ``runs``:
+    ``sparse`` (default True: the indexer's top-k mask in every attention),
+    ``dtype`` (default float64), ``fp8`` and ``relu`` (``index_scores``).
+    Also returns the relative top-k margins of the float64 sparse runs."""
     import torch
     from safetensors.torch import load_file
 
@@ -168,12 +173,6 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
     import fp64_reference
 
     cfg = json.loads((ckpt / "config.json").read_text())
-    if aux_path is None:
-        data = {"prompt": h.token_prompts(PROMPT_LENGTHS, seed=0)[LONG]["prompt_token_ids"],
-                "layer_ids": list(AUX_IDS), "aux": None}
-    else:
-        data = torch.load(aux_path)
-    prompt, ids, aux = data["prompt"], data["layer_ids"], data["aux"]
     nlay, topk = cfg["num_hidden_layers"], cfg["index_topk"]
     weights = load_file(str(ckpt / "model.safetensors"))
     idx = {i: {k.split(".indexer.", 1)[1]: v.double() for k, v in weights.items()
@@ -182,24 +181,27 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
     view = bench_eagle3.dense_view(ckpt)
     model = fp64_reference.load(view)
     model.config._attn_implementation = "eager"
-    state = {"sparse": True, "margins": [], "dtype": torch.float64, "fp8": False}
+    margins: list[float] = []
+    state: dict = {}
 
     def pre_hook(mod, args, kwargs):
-        if not state["sparse"]:
+        if not state.get("sparse", True):
             return args, kwargs
+        dtype = state.get("dtype", torch.float64)
         x = kwargs["hidden_states"][0]
         q_resid = mod.q_a_layernorm(mod.q_a_proj(x))
-        sc = index_scores(cfg, idx[mod.layer_idx], x.double(), q_resid.double(), state["fp8"])
+        sc = index_scores(cfg, idx[mod.layer_idx], x.double(), q_resid.double(),
+                          state.get("fp8", False), state.get("relu", True))
         s = sc.shape[0]
         keep = torch.zeros(s, s, dtype=torch.bool)
         for r in range(s):
             n = min(topk, r + 1)
             top = sc[r, : r + 1].topk(min(n + 1, r + 1))
             keep[r, top.indices[:n]] = True
-            if r + 1 > topk and state["dtype"] == torch.float64:  # the k-th vs the (k+1)-th logit
+            if r + 1 > topk and dtype == torch.float64:  # the k-th vs the (k+1)-th logit
                 v = top.values
-                state["margins"].append(((v[n - 1] - v[n]) / v[0].abs().clamp_min(1e-30)).item())
-        mask = torch.full((s, s), float("-inf"), dtype=state["dtype"]).masked_fill(keep, 0.0)
+                margins.append(((v[n - 1] - v[n]) / v[0].abs().clamp_min(1e-30)).item())
+        mask = torch.full((s, s), float("-inf"), dtype=dtype).masked_fill(keep, 0.0)
         kwargs["attention_mask"] = mask[None, None]
         return args, kwargs
 
@@ -212,27 +214,49 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
         layer.register_forward_hook(
             lambda m, a, o, i=i: inputs.__setitem__(i + 1, (o[0] if isinstance(o, tuple) else o)[0].double()))
 
-    def run(sparse=True, dtype=torch.float64, fp8=False):
-        state.update(sparse=sparse, dtype=dtype, fp8=fp8)
+    states = {}
+    for name, run in runs.items():
+        state.clear()
+        state.update(run)
         inputs.clear()
         with torch.no_grad():
-            model.to(dtype)(torch.tensor([prompt]))
-        return dict(inputs)
+            model.to(run.get("dtype", torch.float64))(torch.tensor([prompt]))
+        states[name] = dict(inputs)
+    if view != ckpt:
+        shutil.rmtree(view, ignore_errors=True)
+    return states, margins
 
-    dense = run(sparse=False)
-    # An independent bf16 forward of the same sparse model: how far bf16
-    # alone takes the states from float64 (routing and top-k near-ties flip).
-    bf16 = run(dtype=torch.bfloat16)
-    # The same with the indexer's q and k in fp8: the precision vLLM serves at.
-    served = run(dtype=torch.bfloat16, fp8=True)
-    sparse = run()
+
+def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
+    """Without ``aux_path`` (``yardstick``): only the independent bf16
+    forwards against float64, for the long prompt."""
+    import torch
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    if aux_path is None:
+        data = {"prompt": h.token_prompts(PROMPT_LENGTHS, seed=0)[LONG]["prompt_token_ids"],
+                "layer_ids": list(AUX_IDS), "aux": None}
+    else:
+        data = torch.load(aux_path)
+    prompt, ids, aux = data["prompt"], data["layer_ids"], data["aux"]
+    topk = cfg["index_topk"]
+    states, margins = layer_inputs(ckpt, prompt, {
+        "dense": {"sparse": False},
+        # Independent bf16 forwards of the same sparse model: how far bf16
+        # alone takes the states from float64 (routing and top-k near-ties
+        # flip), and with the indexer's q and k in fp8, as vLLM serves it.
+        "bf16": {"dtype": torch.bfloat16},
+        "served": {"dtype": torch.bfloat16, "fp8": True},
+        "sparse": {},
+    })
+    dense, bf16, served, sparse = (states[n] for n in ("dense", "bf16", "served", "sparse"))
     hid = cfg["hidden_size"]
     rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
     med = lambda t: t.pow(2).mean(-1).sqrt().median().item()  # noqa: E731 (per-token rms)
     res = {"layer_ids": ids, "prompt_len": len(prompt), "index_topk": topk,
            "rows_with_a_choice_per_layer": max(0, len(prompt) - topk),
-           "min_relative_topk_margin": min(state["margins"]) if state["margins"] else None,
-           "near_ties_below_1e-3": sum(m < 1e-3 for m in state["margins"]), "per_id": []}
+           "min_relative_topk_margin": min(margins) if margins else None,
+           "near_ties_below_1e-3": sum(m < 1e-3 for m in margins), "per_id": []}
     tail = slice(topk, None)  # the rows where the indexer drops keys
     choice = len(prompt) > topk
 
@@ -280,8 +304,6 @@ def reference(ckpt: Path, aux_path: Path | None, out: Path) -> dict:
         print("REF", json.dumps(row), flush=True)
     res["ok"] = ok and aux is not None
     out.write_text(json.dumps(res, indent=1))
-    if view != ckpt:
-        shutil.rmtree(view, ignore_errors=True)
     return res
 
 

@@ -765,28 +765,15 @@ def test_flashmla_interface_calls_reach_the_stand_ins_with_the_right_arguments(t
 # ---------------------------------------------------------------------------
 
 
-def _dense_layer_inputs(target: Path, prompt: list[int], ids) -> torch.Tensor:
-    """Inputs of layers ``ids`` of the dense forward (no indexer), as the
-    target would hand them to the drafter: concatenated, pre-norm."""
-    harness = Path(__file__).resolve().parents[3] / "tools" / "gpu_harness"
-    sys.path.insert(0, str(harness))
-    import bench_eagle3
-    import fp64_reference
-
-    model = fp64_reference.load(bench_eagle3.dense_view(target))
-    got = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(lambda m, a, o, i=i: got.__setitem__(i + 1, o[0] if o.dim() == 3 else o))
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), output_hidden_states=True)
-    got[0] = out.hidden_states[0][0]
-    return torch.cat([got[k].reshape(len(prompt), -1) for k in ids], -1).float()
-
-
-@pytest.mark.parametrize("length,ok", [(100, True), (200, False)])
-def test_dsa_reference_tells_sparse_from_dense_states(tmp_path, monkeypatch, length, ok):
-    """States of a dense forward pass the check while the prompt fits in
-    index_topk (128) and fail it once the indexer must drop keys."""
+@pytest.mark.parametrize("length,run,ok", [
+    (100, {"sparse": False}, True),  # the prompt fits in index_topk: dense is sparse
+    (200, {"sparse": False}, False),  # the indexer drops keys; dense states must fail
+    (256, {"relu": False}, False),  # transformers 5's indexer, without the ReLU
+    (256, {}, True),  # the reference's own float64 sparse states
+])
+def test_dsa_reference_tells_right_states_from_wrong(tmp_path, monkeypatch, length, run, ok):
+    """The check passes states of the right sparse forward and refuses those
+    of a dense one once the indexer drops keys, or of a wrong indexer."""
     monkeypatch.setenv("EAGLE3_GPU_PROFILE", "eager")
     harness = Path(__file__).resolve().parents[3] / "tools" / "gpu_harness"
     sys.path.insert(0, str(harness))
@@ -795,10 +782,9 @@ def test_dsa_reference_tells_sparse_from_dense_states(tmp_path, monkeypatch, len
 
     target, _ = dsa_check.write_models("glm5", tmp_path)
     prompt = h.token_prompts([length], seed=0)[0]["prompt_token_ids"]
-    aux = _dense_layer_inputs(target, prompt, dsa_check.AUX_IDS)
+    states = dsa_check.layer_inputs(target, prompt, {"run": run})[0]["run"]
+    aux = torch.cat([states[k] for k in dsa_check.AUX_IDS], -1).float()
     torch.save({"aux": aux, "layer_ids": list(dsa_check.AUX_IDS), "prompt": prompt}, tmp_path / "aux.pt")
     res = dsa_check.reference(target, tmp_path / "aux.pt", tmp_path / "ref.json")
     assert res["ok"] is ok, res
     assert res["rows_with_a_choice_per_layer"] == max(0, length - 128)
-    for row in res["per_id"]:
-        assert row["nearest_reference_layer"] == row["id"] or not ok
