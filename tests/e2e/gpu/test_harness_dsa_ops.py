@@ -765,22 +765,32 @@ def test_flashmla_interface_calls_reach_the_stand_ins_with_the_right_arguments(t
 # ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def dsa_target(tmp_path_factory):
+    """The tiny GLM-5 target of dsa_check.py, written once."""
+    harness = Path(__file__).resolve().parents[3] / "tools" / "gpu_harness"
+    sys.path.insert(0, str(harness))
+    import dsa_check
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE3_GPU_PROFILE", "eager")
+        return dsa_check.write_models("glm5", tmp_path_factory.mktemp("dsa_target"))[0]
+
+
 @pytest.mark.parametrize("length,run,ok", [
     (100, {"sparse": False}, True),  # the prompt fits in index_topk: dense is sparse
     (200, {"sparse": False}, False),  # the indexer drops keys; dense states must fail
     (256, {"relu": False}, False),  # transformers 5's indexer, without the ReLU
     (256, {}, True),  # the reference's own float64 sparse states
 ])
-def test_dsa_reference_tells_right_states_from_wrong(tmp_path, monkeypatch, length, run, ok):
+def test_dsa_reference_tells_right_states_from_wrong(dsa_target, tmp_path, monkeypatch, length, run, ok):
     """The check passes states of the right sparse forward and refuses those
     of a dense one once the indexer drops keys, or of a wrong indexer."""
     monkeypatch.setenv("EAGLE3_GPU_PROFILE", "eager")
-    harness = Path(__file__).resolve().parents[3] / "tools" / "gpu_harness"
-    sys.path.insert(0, str(harness))
     import dsa_check
     import gpu_e2e_helpers as h
 
-    target, _ = dsa_check.write_models("glm5", tmp_path)
+    target = dsa_target
     prompt = h.token_prompts([length], seed=0)[0]["prompt_token_ids"]
     states = dsa_check.layer_inputs(target, prompt, {"run": run})[0]["run"]
     aux = torch.cat([states[k] for k in dsa_check.AUX_IDS], -1).float()
