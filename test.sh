@@ -2,7 +2,7 @@
 # Run every CPU test: ./test.sh   (CI runs this through .ci/run)
 #
 # Builds both wheels (./build.sh, ./build.sh --cpu), makes the test
-# environments under build/venvs (tools/testenv.py), then runs three stages,
+# environments under build/venvs (tools/testenv.py), then runs four stages,
 # each reported by pytest itself (JUnit XML and a log in build/reports):
 #   1. the GPU harness's torch stand-ins for compiled ops (tests/e2e/gpu; the
 #      tests that need a GPU are collected and reported as skipped);

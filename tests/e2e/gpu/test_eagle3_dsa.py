@@ -21,7 +21,7 @@ EAGLE3_HARNESS_DSA=1). bf16, eager (EAGLE3_GPU_PROFILE=eager).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 
@@ -35,13 +35,8 @@ KINDS = ["glm5", "deepseek-v32"]
 
 
 def _tool(name):
-    path = REPO_ROOT / "tools" / "gpu_harness" / f"{name}.py"
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(REPO_ROOT / "tools" / "gpu_harness"))
+    return importlib.import_module(name)
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -768,8 +767,7 @@ def test_flashmla_interface_calls_reach_the_stand_ins_with_the_right_arguments(t
 @pytest.fixture(scope="module")
 def dsa_target(tmp_path_factory):
     """The tiny GLM-5 target of dsa_check.py, written once."""
-    harness = Path(__file__).resolve().parents[3] / "tools" / "gpu_harness"
-    sys.path.insert(0, str(harness))
+    sys.path.insert(0, str(REPO_ROOT / "tools" / "gpu_harness"))
     import dsa_check
 
     with pytest.MonkeyPatch.context() as mp:
