@@ -1,67 +1,27 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Write tiny, seeded, random checkpoints for the EAGLE-3 target families.
+"""Tiny, seeded, random checkpoints for the EAGLE-3 targets and drafters.
 
-Nothing here is downloaded: every file is generated on the fly from a seed, so
-the same command always writes byte-identical weights. The checkpoints are a
-few MB, float32 by default, and never committed.
+Generated, never downloaded or committed: the same seed writes byte-identical
+files. Kinds: ``deepseek-v3``, ``kimi-k25`` (the same text model under
+``language_model.``, a tiny MoonViT tower and projector, and a media processor
+shipped as checkpoint code, as the real one is), ``glm5`` and ``deepseek-v32``
+(plus the DSA indexer weights), ``eagle3-drafter`` (a Llama draft layer) and
+``eagle3-mla-drafter`` (the published "eagle3-mla" layout: a DeepSeek MLA draft
+layer reading [embeds, hidden]). Weights are drawn so that a skipped norm or an
+ignored routing correction bias changes the output. Every kind gets a
+byte-level BPE tokenizer (one token per UTF-8 byte) plus special tokens.
 
-Kinds:
+Only torch and safetensors, so the GPU harness imports it as is::
 
-``deepseek-v3``
-    ``DeepseekV3ForCausalLM`` (model_type ``deepseek_v3``): MLA projections
-    (q_lora, kv_lora), ``first_k_dense_replace`` dense layers, then MoE layers
-    with a shared expert, ``topk_method="noaux_tc"`` sigmoid routing over
-    ``n_group``/``topk_group`` with a NON-ZERO ``e_score_correction_bias``.
-    Head size qk_nope 48 + qk_rope 16 = 64 (= v_head_dim), which the CPU
-    attention kernels support once MLA is disabled.
-``kimi-k25``
-    ``KimiK25ForConditionalGeneration`` (model_type ``kimi_k25``): the same
-    DeepSeek-V3 text model under ``language_model.``, a tiny MoonViT vision
-    tower and patch-merger projector, and a small image processor shipped as
-    checkpoint code (``auto_map``), as the real checkpoint does.
-``glm5``
-    ``GlmMoeDsaForCausalLM`` (model_type ``glm_moe_dsa``): DeepSeek-V3.2 style
-    MLA + MoE plus the DSA sparse-attention indexer weights
-    (``self_attn.indexer.*``). ``--remote-code-config`` also writes a config
-    class (``auto_map``) for transformers versions that do not know
-    ``glm_moe_dsa`` (4.57 does not).
-``deepseek-v32``
-    ``DeepseekV32ForCausalLM`` (model_type ``deepseek_v32``): ``deepseek-v3``
-    plus the same DSA indexer weights and ``index_*`` fields.
-``eagle3-drafter``
-    An EAGLE-3 draft head (``LlamaForCausalLMEagle3``, one Llama layer, ``fc``
-    over 3 target states, ``d2t``/``t2d`` vocabulary maps) whose config carries
-    ``eagle_aux_hidden_state_layer_ids``. Sized for the default
-    ``deepseek-v3`` target unless told otherwise.
-``eagle3-mla-drafter``
-    An EAGLE-3 draft head with a DeepSeek MLA draft layer, in the layout of
-    the published "eagle3-mla" drafters (``Eagle3DeepseekV2ForCausalLM``,
-    model type ``deepseek_v3`` or, with ``model_type="kimi_k2"``, the Kimi
-    one): ``midlayer.self_attn.{q_a_proj,kv_a_proj_with_mqa}`` read
-    [embeds, hidden] (2 x hidden), a dense ``midlayer.mlp``, ``fc`` over the
-    aux states, ``d2t``/``t2d``; no ``embed_tokens`` (shared with the target).
-    Its attention geometry equals the ``deepseek-v3`` target's, so it shares
-    the target's KV cache with MLA on or off.
-
-Every kind gets the same minimal tokenizer: a byte-level BPE ``tokenizer.json``
-(256 byte tokens, no merges, so one token per UTF-8 byte) plus special tokens,
-loaded offline by ``PreTrainedTokenizerFast``.
-
-Only torch, safetensors and the standard library are used (no vLLM, no
-transformers), so the GPU harness can import this module as is::
-
-    from tiny_checkpoints import write_checkpoint
     info = write_checkpoint("deepseek-v3", "/tmp/ckpt/dsv3", seed=0)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,37 +30,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-KINDS: tuple[str, ...] = (
-    "deepseek-v3",
-    "kimi-k25",
-    "glm5",
-    "deepseek-v32",
-    "eagle3-drafter",
-    "eagle3-mla-drafter",
-)
-DRAFTER_KINDS: tuple[str, ...] = ("eagle3-drafter", "eagle3-mla-drafter")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-# ---------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------
-
-BOS = "<|bos|>"
-EOS = "<|eos|>"
-PAD = "<|pad|>"
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # Kimi-K2.5's media tokens (its processor and placeholder strings use these).
-KIMI_MEDIA_TOKENS: tuple[str, ...] = (
-    "<|media_begin|>",
-    "<|media_content|>",
-    "<|media_pad|>",
-    "<|media_end|>",
-    "<|kimi_k25_video_placeholder|>",
-)
+KIMI_MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>",
+                     "<|media_end|>", "<|kimi_k25_video_placeholder|>")
 BASE_SPECIALS: tuple[str, ...] = (BOS, EOS, PAD) + KIMI_MEDIA_TOKENS
 # The config's vocab_size; tokens past the named ones are "<|reserved_N|>"
 # specials, so every id the random lm_head can pick decodes cleanly.
@@ -138,24 +73,11 @@ def write_tokenizer(outdir: Path, vocab_size: int = VOCAB_SIZE) -> list[str]:
     b2u = _bytes_to_unicode()
     vocab = {b2u[b]: b for b in range(256)}
     specials = special_token_ids(vocab_size)
-    added = [
-        {
-            "id": i,
-            "content": name,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        for name, i in specials.items()
-    ]
-    byte_level = {
-        "type": "ByteLevel",
-        "add_prefix_space": False,
-        "trim_offsets": True,
-        "use_regex": True,
-    }
+    added = [{"id": i, "content": name, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": True}
+             for name, i in specials.items()]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False,
+                  "trim_offsets": True, "use_regex": True}
     bos_id = specials[BOS]
 
     def seq(name: str) -> dict[str, Any]:
@@ -163,44 +85,27 @@ def write_tokenizer(outdir: Path, vocab_size: int = VOCAB_SIZE) -> list[str]:
 
     bos_piece = {"SpecialToken": {"id": BOS, "type_id": 0}}
     tokenizer_json = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": byte_level,
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": added, "normalizer": None, "pre_tokenizer": byte_level,
         "post_processor": {
             "type": "TemplateProcessing",
             "single": [bos_piece, seq("A")],
             "pair": [bos_piece, seq("A"), bos_piece, seq("B")],
-            "special_tokens": {
-                BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]},
-            },
+            "special_tokens": {BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]}},
         },
         "decoder": dict(byte_level, add_prefix_space=True),
         "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": vocab,
-            "merges": [],
+            "type": "BPE", "dropout": None, "unk_token": None,
+            "continuing_subword_prefix": None, "end_of_word_suffix": None,
+            "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": vocab, "merges": [],
         },
     }
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "unk_token": None,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
+        "add_bos_token": True, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": 4096,
         "chat_template": (
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
@@ -216,10 +121,6 @@ def write_tokenizer(outdir: Path, vocab_size: int = VOCAB_SIZE) -> list[str]:
         _write_json(outdir / name, obj)
     return list(files)
 
-
-# ---------------------------------------------------------------------------
-# Weights
-# ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -251,6 +152,11 @@ class WeightWriter:
         if bias:
             self._add(f"{name}.bias", 0.02 * torch.randn(dim, generator=self.gen))
 
+    def mlp(self, name: str, inter: int, h: int) -> None:
+        self.linear(f"{name}.gate_proj", inter, h)
+        self.linear(f"{name}.up_proj", inter, h)
+        self.linear(f"{name}.down_proj", h, inter)
+
     def normal(self, name: str, shape: Sequence[int], std: float) -> None:
         self._add(name, std * torch.randn(*shape, generator=self.gen))
 
@@ -266,61 +172,51 @@ class WeightWriter:
 
 def deepseek_v3_text_config(**overrides: Any) -> dict[str, Any]:
     """A tiny DeepSeek-V3 text config (HF field names, as in the real one)."""
+    ids = special_token_ids()
     cfg: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 64,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "n_shared_experts": 1,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_group": 4,
-        "topk_group": 2,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 2,
-        "moe_layer_freq": 1,
-        "q_lora_rank": 64,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 48,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 64,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "rope_interleave": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "num_nextn_predict_layers": 0,
-        "bos_token_id": special_token_ids()[BOS],
-        "eos_token_id": special_token_ids()[EOS],
-        "pad_token_id": special_token_ids()[PAD],
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_group": 4, "topk_group": 2, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 2, "moe_layer_freq": 1,
+        "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 48,
+        "qk_rope_head_dim": 16, "v_head_dim": 64, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": None, "rope_interleave": True, "attention_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02,
+        "tie_word_embeddings": False, "use_cache": True, "num_nextn_predict_layers": 0,
+        "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD],
         "torch_dtype": "float32",
     }
     cfg.update(overrides)
     return cfg
 
 
+def _write_mla(w: WeightWriter, cfg: dict[str, Any], a: str, in_f: int) -> None:
+    """MLA projections of the attention ``a`` over ``in_f`` inputs."""
+    heads, q_lora, kv_lora = (cfg[k] for k in ("num_attention_heads", "q_lora_rank",
+                                               "kv_lora_rank"))
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    if q_lora is None:
+        w.linear(f"{a}.q_proj", heads * (nope + rope), in_f)
+    else:
+        w.linear(f"{a}.q_a_proj", q_lora, in_f)
+        w.norm(f"{a}.q_a_layernorm", q_lora)
+        w.linear(f"{a}.q_b_proj", heads * (nope + rope), q_lora)
+    w.linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, in_f)
+    w.norm(f"{a}.kv_a_layernorm", kv_lora)
+    w.linear(f"{a}.kv_b_proj", heads * (nope + v), kv_lora)
+    w.linear(f"{a}.o_proj", cfg["hidden_size"], heads * v)
+
+
 def _write_deepseek_text_weights(
     w: WeightWriter, cfg: dict[str, Any], prefix: str, indexer: bool = False
 ) -> None:
     """DeepSeek-V3 (and V3.2/GLM-5 with ``indexer``) text weights, HF names."""
-    h = cfg["hidden_size"]
-    n_heads = cfg["num_attention_heads"]
-    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    h, q_lora = cfg["hidden_size"], cfg["q_lora_rank"]
     n_exp, moe_i = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     m = f"{prefix}model"
     w.normal(f"{m}.embed_tokens.weight", (cfg["vocab_size"], h), std=1.0)
@@ -329,16 +225,7 @@ def _write_deepseek_text_weights(
         w.norm(f"{p}.input_layernorm", h)
         w.norm(f"{p}.post_attention_layernorm", h)
         a = f"{p}.self_attn"
-        if q_lora is None:
-            w.linear(f"{a}.q_proj", n_heads * (nope + rope), h)
-        else:
-            w.linear(f"{a}.q_a_proj", q_lora, h)
-            w.norm(f"{a}.q_a_layernorm", q_lora)
-            w.linear(f"{a}.q_b_proj", n_heads * (nope + rope), q_lora)
-        w.linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, h)
-        w.norm(f"{a}.kv_a_layernorm", kv_lora)
-        w.linear(f"{a}.kv_b_proj", n_heads * (nope + v), kv_lora)
-        w.linear(f"{a}.o_proj", h, n_heads * v)
+        _write_mla(w, cfg, a, h)
         if indexer:
             ih, inh = cfg["index_head_dim"], cfg["index_n_heads"]
             w.linear(f"{a}.indexer.wq_b", inh * ih, q_lora)
@@ -347,12 +234,7 @@ def _write_deepseek_text_weights(
             w.linear(f"{a}.indexer.weights_proj", inh, h)
         dense = i < cfg["first_k_dense_replace"] or i % cfg.get("moe_layer_freq", 1)
         if dense:
-            for proj, (o, k) in {
-                "gate_proj": (cfg["intermediate_size"], h),
-                "up_proj": (cfg["intermediate_size"], h),
-                "down_proj": (h, cfg["intermediate_size"]),
-            }.items():
-                w.linear(f"{p}.mlp.{proj}", o, k)
+            w.mlp(f"{p}.mlp", cfg["intermediate_size"], h)
             continue
         w.linear(f"{p}.mlp.gate", n_exp, h)
         # Non-zero and large enough to change which experts win: an engine
@@ -360,22 +242,12 @@ def _write_deepseek_text_weights(
         bias = 0.5 * (torch.rand(n_exp, generator=w.gen) - 0.5)
         w.raw(f"{p}.mlp.gate.e_score_correction_bias", bias.to(torch.float32))
         for j in range(n_exp):
-            e = f"{p}.mlp.experts.{j}"
-            w.linear(f"{e}.gate_proj", moe_i, h)
-            w.linear(f"{e}.up_proj", moe_i, h)
-            w.linear(f"{e}.down_proj", h, moe_i)
+            w.mlp(f"{p}.mlp.experts.{j}", moe_i, h)
         if cfg.get("n_shared_experts"):
-            si = moe_i * cfg["n_shared_experts"]
-            w.linear(f"{p}.mlp.shared_experts.gate_proj", si, h)
-            w.linear(f"{p}.mlp.shared_experts.up_proj", si, h)
-            w.linear(f"{p}.mlp.shared_experts.down_proj", h, si)
+            w.mlp(f"{p}.mlp.shared_experts", moe_i * cfg["n_shared_experts"], h)
     w.norm(f"{m}.norm", h)
     w.linear(f"{prefix}lm_head", cfg["vocab_size"], h)
 
-
-# ---------------------------------------------------------------------------
-# Kinds
-# ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -386,28 +258,14 @@ class Written:
     num_params: int
     config: dict[str, Any]
 
-    def summary(self) -> str:
-        size = sum((self.outdir / f).stat().st_size for f in self.files)
-        lines = [
-            f"wrote {self.kind} checkpoint to {self.outdir} "
-            f"({self.num_params:,} parameters, {size / 2**20:.1f} MiB)"
-        ]
-        lines += [f"  {f}" for f in sorted(self.files)]
-        return "\n".join(lines)
-
 
 def _finish(
     kind: str, outdir: Path, w: WeightWriter, config: dict[str, Any], extra: list[str]
 ) -> Written:
     _write_json(outdir / "config.json", config)
-    _write_json(
-        outdir / "generation_config.json",
-        {
-            "bos_token_id": special_token_ids()[BOS],
-            "eos_token_id": special_token_ids()[EOS],
-            "do_sample": False,
-        },
-    )
+    ids = special_token_ids()
+    _write_json(outdir / "generation_config.json",
+                {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "do_sample": False})
     w.save(outdir / "model.safetensors")
     files = ["config.json", "generation_config.json", "model.safetensors", *extra]
     return Written(kind, outdir, files, w.num_params(), config)
@@ -425,18 +283,10 @@ def write_deepseek_v3(
 def glm5_config(**overrides: Any) -> dict[str, Any]:
     """GLM-5's config shape (glm_moe_dsa), shrunk; DSA indexer fields kept."""
     cfg = deepseek_v3_text_config(
-        architectures=["GlmMoeDsaForCausalLM"],
-        model_type="glm_moe_dsa",
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=3,
-        index_head_dim=32,
-        index_n_heads=4,
-        index_topk=64,
-        indexer_rope_interleave=True,
-        rms_norm_eps=1e-5,
-        rope_theta=1000000.0,
-    )
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
+        n_group=1, topk_group=1, first_k_dense_replace=3, index_head_dim=32,
+        index_n_heads=4, index_topk=64, indexer_rope_interleave=True,
+        rms_norm_eps=1e-5, rope_theta=1000000.0)
     cfg.update(overrides)
     return cfg
 
@@ -560,38 +410,24 @@ def write_kimi_k25(
     text = deepseek_v3_text_config(torch_dtype=dtype, **overrides)
     text.pop("architectures")
     vis: dict[str, Any] = {
-        "model_type": "kimi_k25_vision",
-        "patch_size": 14,
-        "init_pos_emb_height": 8,
-        "init_pos_emb_width": 8,
-        "init_pos_emb_time": 4,
-        "pos_emb_type": "divided_fixed",
-        "num_attention_heads": 2,
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "merge_kernel_size": [2, 2],
-        "video_attn_type": "spatial_temporal",
-        "merge_type": "sd2_tpool",
-        "mm_projector_type": "patchmerger",
-        "mm_hidden_size": text["hidden_size"],
-        "projector_hidden_act": "gelu",
+        "model_type": "kimi_k25_vision", "patch_size": 14,
+        "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed", "num_attention_heads": 2,
+        "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+        "merge_kernel_size": [2, 2], "video_attn_type": "spatial_temporal",
+        "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger",
+        "mm_hidden_size": text["hidden_size"], "projector_hidden_act": "gelu",
         "projector_ln_eps": 1e-5,
     }
     specials = special_token_ids()
     cfg: dict[str, Any] = {
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "model_type": "kimi_k25",
-        "text_config": text,
-        "vision_config": vis,
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text, "vision_config": vis,
         "media_placeholder_token_id": specials["<|media_pad|>"],
-        "pad_token_id": specials[PAD],
-        "bos_token_id": specials[BOS],
-        "eos_token_id": specials[EOS],
-        "ignore_index": -100,
+        "pad_token_id": specials[PAD], "bos_token_id": specials[BOS],
+        "eos_token_id": specials[EOS], "ignore_index": -100,
         "use_unified_vision_chunk": False,
-        "video_placeholder": "<|kimi_k25_video_placeholder|>",
-        "torch_dtype": dtype,
+        "video_placeholder": "<|kimi_k25_video_placeholder|>", "torch_dtype": dtype,
     }
     w = WeightWriter(seed, DTYPES[dtype])
     _write_deepseek_text_weights(w, text, prefix="language_model.")
@@ -621,44 +457,29 @@ def write_kimi_k25(
 
     extra = write_tokenizer(outdir)
     (outdir / "kimi_k25_media_processor.py").write_text(KIMI_PROCESSOR_CODE)
-    _write_json(
-        outdir / "preprocessor_config.json",
-        {
-            "auto_map": {
-                "AutoImageProcessor": "kimi_k25_media_processor.TinyKimiK25MediaProcessor"
-            },
-            "image_processor_type": "TinyKimiK25MediaProcessor",
-            "patch_size": ps,
-            "merge_kernel_size": [kh, kw],
-            "grid_hw": [4, 4],
-            "num_frames_per_chunk": 4,
-        },
-    )
+    proc = "TinyKimiK25MediaProcessor"
+    _write_json(outdir / "preprocessor_config.json", {
+        "auto_map": {"AutoImageProcessor": f"kimi_k25_media_processor.{proc}"},
+        "image_processor_type": proc, "patch_size": ps,
+        "merge_kernel_size": [kh, kw], "grid_hw": [4, 4], "num_frames_per_chunk": 4})
     extra += ["kimi_k25_media_processor.py", "preprocessor_config.json"]
     return _finish("kimi-k25", outdir, w, cfg, extra)
 
 
-def _write_draft_fc_and_norms(w: Any, cfg: dict[str, Any], h: int) -> str:
-    """``fc`` over the aux states and the draft layer's three norms, in the
-    order both drafter kinds write them; returns the draft layer's prefix."""
+def _write_drafter(kind: str, outdir: Path, seed: int, dtype: str,
+                   cfg: dict[str, Any], attn: Callable[..., None]) -> Written:
+    """The layout both drafter kinds share; ``attn(w, prefix, in_features)``
+    writes the draft layer's attention. The draft vocabulary is a seeded,
+    sorted subset of the target's ids."""
+    h, dv = cfg["hidden_size"], cfg["draft_vocab_size"]
+    w = WeightWriter(seed, DTYPES[dtype])
     # Without explicit ids the target's default (3 layers) is used.
     n_aux = len(cfg.get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
     w.linear("fc", h, n_aux * cfg["target_hidden_size"])
-    m = "midlayer"
-    w.norm(f"{m}.input_layernorm", h)
-    w.norm(f"{m}.hidden_norm", h)
-    w.norm(f"{m}.post_attention_layernorm", h)
-    return m
-
-
-def _write_draft_mlp_and_head(w: Any, cfg: dict[str, Any], m: str, h: int,
-                              inter: int, dv: int) -> None:
-    """The dense MLP of the draft layer ``m``, the final norm, the draft
-    lm_head and the vocabulary maps, shared by both drafter layouts. The
-    draft vocabulary is a seeded, sorted subset of the target's ids."""
-    w.linear(f"{m}.mlp.gate_proj", inter, h)
-    w.linear(f"{m}.mlp.up_proj", inter, h)
-    w.linear(f"{m}.mlp.down_proj", h, inter)
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w.norm(f"midlayer.{norm}", h)
+    attn(w, "midlayer.self_attn", 2 * h)  # the draft layer reads [embeds, hidden]
+    w.mlp("midlayer.mlp", cfg["intermediate_size"], h)
     w.norm("norm", h)
     w.linear("lm_head", dv, h)
     keep = torch.randperm(cfg["vocab_size"], generator=w.gen)[:dv].sort().values
@@ -666,6 +487,7 @@ def _write_draft_mlp_and_head(w: Any, cfg: dict[str, Any], m: str, h: int,
     t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
     t2d[keep] = True
     w.raw("t2d", t2d)
+    return _finish(kind, outdir, w, cfg, write_tokenizer(outdir))
 
 
 def eagle3_drafter_config(
@@ -680,36 +502,22 @@ def eagle3_drafter_config(
     ``aux_layer_ids=None`` leaves ``eagle_aux_hidden_state_layer_ids`` out, as
     older drafters do: the engine then uses the target's default layers.
     """
+    h = target_hidden_size
     cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": target_hidden_size,
-        "target_hidden_size": target_hidden_size,
-        "intermediate_size": 2 * target_hidden_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": target_hidden_size // 4,
-        "hidden_act": "silu",
-        "vocab_size": target_vocab_size,
-        "draft_vocab_size": draft_vocab_size,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "norm_before_residual": False,
-        "bos_token_id": special_token_ids()[BOS],
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": h, "target_hidden_size": h, "intermediate_size": 2 * h,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": h // 4, "hidden_act": "silu", "vocab_size": target_vocab_size,
+        "draft_vocab_size": draft_vocab_size, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "norm_before_residual": False, "bos_token_id": special_token_ids()[BOS],
         "eos_token_id": special_token_ids()[EOS],
-        "eagle_config": {"use_aux_hidden_state": True},
-        "torch_dtype": "float32",
+        "eagle_config": {"use_aux_hidden_state": True}, "torch_dtype": "float32",
     }
     _set_aux_layer_ids(cfg, aux_layer_ids)
     cfg.update(overrides)
     return cfg
-
 
 
 def _set_aux_layer_ids(cfg: dict[str, Any], aux_layer_ids: Sequence[int] | None) -> None:
@@ -738,22 +546,16 @@ def write_eagle3_drafter(
         torch_dtype=dtype,
         **overrides,
     )
-    h = cfg["hidden_size"]
-    heads, kv_heads, hd = (
-        cfg["num_attention_heads"],
-        cfg["num_key_value_heads"],
-        cfg["head_dim"],
-    )
-    inter, dv = cfg["intermediate_size"], cfg["draft_vocab_size"]
-    w = WeightWriter(seed, DTYPES[dtype])
-    m = _write_draft_fc_and_norms(w, cfg, h)
-    # The first (only) layer attends over [embeds, hidden]: 2*h inputs.
-    w.linear(f"{m}.self_attn.q_proj", heads * hd, 2 * h)
-    w.linear(f"{m}.self_attn.k_proj", kv_heads * hd, 2 * h)
-    w.linear(f"{m}.self_attn.v_proj", kv_heads * hd, 2 * h)
-    w.linear(f"{m}.self_attn.o_proj", h, heads * hd)
-    _write_draft_mlp_and_head(w, cfg, m, h, inter, dv)
-    return _finish("eagle3-drafter", outdir, w, cfg, write_tokenizer(outdir))
+    heads, kv_heads, hd = (cfg[k] for k in ("num_attention_heads",
+                                            "num_key_value_heads", "head_dim"))
+
+    def attn(w: WeightWriter, a: str, in_f: int) -> None:
+        w.linear(f"{a}.q_proj", heads * hd, in_f)
+        w.linear(f"{a}.k_proj", kv_heads * hd, in_f)
+        w.linear(f"{a}.v_proj", kv_heads * hd, in_f)
+        w.linear(f"{a}.o_proj", cfg["hidden_size"], heads * hd)
+
+    return _write_drafter("eagle3-drafter", outdir, seed, dtype, cfg, attn)
 
 
 def eagle3_mla_drafter_config(
@@ -790,26 +592,8 @@ def write_eagle3_mla_drafter(
     cfg = eagle3_mla_drafter_config(
         aux_layer_ids=aux_layer_ids, torch_dtype=dtype, **overrides
     )
-    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    inter, dv = cfg["intermediate_size"], cfg["draft_vocab_size"]
-    w = WeightWriter(seed, DTYPES[dtype])
-    m = _write_draft_fc_and_norms(w, cfg, h)
-    a = f"{m}.self_attn"
-    # The draft layer attends over [embeds, hidden]: 2*h inputs.
-    if q_lora is None:
-        w.linear(f"{a}.q_proj", heads * (nope + rope), 2 * h)
-    else:
-        w.linear(f"{a}.q_a_proj", q_lora, 2 * h)
-        w.norm(f"{a}.q_a_layernorm", q_lora)
-        w.linear(f"{a}.q_b_proj", heads * (nope + rope), q_lora)
-    w.linear(f"{a}.kv_a_proj_with_mqa", kv_lora + rope, 2 * h)
-    w.norm(f"{a}.kv_a_layernorm", kv_lora)
-    w.linear(f"{a}.kv_b_proj", heads * (nope + v), kv_lora)
-    w.linear(f"{a}.o_proj", h, heads * v)
-    _write_draft_mlp_and_head(w, cfg, m, h, inter, dv)
-    return _finish("eagle3-mla-drafter", outdir, w, cfg, write_tokenizer(outdir))
+    return _write_drafter("eagle3-mla-drafter", outdir, seed, dtype, cfg,
+                          lambda w, a, in_f: _write_mla(w, cfg, a, in_f))
 
 
 WRITERS: dict[str, Callable[..., Written]] = {
@@ -827,7 +611,7 @@ def write_checkpoint(
 ) -> Written:
     """Write checkpoint ``kind`` into ``outdir`` (created); see module doc."""
     if kind not in WRITERS:
-        raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+        raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(WRITERS)}")
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     return WRITERS[kind](out, seed, **kwargs)
@@ -835,82 +619,3 @@ def write_checkpoint(
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-_UNSET: Any = object()
-
-
-def _int_list(text: str) -> list[int] | None:
-    if text.strip().lower() == "none":
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints: {text}") from e
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tiny_checkpoints.py",
-        description=(
-            "Write a tiny seeded random checkpoint (config.json, "
-            "model.safetensors, offline tokenizer) for an EAGLE-3 target "
-            "family or a tiny EAGLE-3 drafter."
-        ),
-    )
-    p.add_argument("kind", choices=KINDS, help="which checkpoint to write")
-    p.add_argument("outdir", type=Path, help="directory to write (created)")
-    p.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default="float32",
-        help="weight dtype and config torch_dtype (default float32)",
-    )
-    p.add_argument(
-        "--num-hidden-layers",
-        type=int,
-        default=None,
-        help="text decoder layers (targets; default 6, must be >= 6)",
-    )
-    p.add_argument(
-        "--aux-layer-ids",
-        type=_int_list,
-        default=_UNSET,
-        help=(
-            "eagle3-drafter, eagle3-mla-drafter: eagle_aux_hidden_state_layer_ids, "
-            "e.g. 1,3,6 (default 1,3,6; 'none' leaves the field out)"
-        ),
-    )
-    p.add_argument(
-        "--remote-code-config",
-        action="store_true",
-        help="glm5: also write a config class + auto_map for transformers < 5",
-    )
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    kwargs: dict[str, Any] = {"dtype": args.dtype}
-    if args.num_hidden_layers is not None:
-        if args.kind in DRAFTER_KINDS:
-            raise SystemExit("--num-hidden-layers applies to target kinds only")
-        if args.num_hidden_layers < 6:
-            raise SystemExit("--num-hidden-layers must be >= 6 (distinct aux ids)")
-        kwargs["num_hidden_layers"] = args.num_hidden_layers
-    if args.aux_layer_ids is not _UNSET:
-        if args.kind not in DRAFTER_KINDS:
-            raise SystemExit("--aux-layer-ids applies to the drafter kinds only")
-        kwargs["aux_layer_ids"] = args.aux_layer_ids
-    if args.remote_code_config:
-        if args.kind != "glm5":
-            raise SystemExit("--remote-code-config applies to glm5 only")
-        kwargs["remote_code_config"] = True
-    written = write_checkpoint(args.kind, args.outdir, seed=args.seed, **kwargs)
-    print(written.summary())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
