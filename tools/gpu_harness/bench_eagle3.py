@@ -6,48 +6,15 @@
     python tools/gpu_harness/bench_eagle3.py control --artifacts A --ids 6,3,1 --out DIR
     python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR [--tag T]
 
-``--profile`` picks the engine settings of tests/e2e/gpu/gpu_e2e_helpers.py
-(smoke: float32, eager, MLA off; production: bf16, MLA with the published
-latent geometry, torch.compile + CUDA graphs). In production the run also
-measures batch 32, serves the trained drafter with its aux layer ids shifted
-by one (a control: same weights, other layers), serves it once more in eager
-mode (the reference the compiled numbers must match), reports speedup and
-efficiency (speedup / acceptance length), and packs the trained target and
-drafter into DIR/artifacts.tar.gz for ``control`` and ``cache`` (two drafters
-served in turn with one VLLM_CACHE_ROOT) in a later call.
-
-0. Give the tiny target something to say: a random target continues random
-   prompts with near-uniform logits, which no drafter can predict (measured:
-   a trained drafter reached 1.03 acceptance length against a random one's
-   1.01). So the target is first trained (transformers' DeepseekV3ForCausalLM,
-   float32, in a subprocess) on a synthetic language with a skip rule:
-   t[i+1] = f(t[i-1]) for a fixed random permutation f of the 256 byte
-   tokens, with 15% of tokens replaced at random. The next token depends on
-   the token before the current one, which the drafter's own token input
-   does not carry: it has to come from the target's aux hidden states (or be
-   recovered through the drafter's attention).
-1. Plain greedy serving of the target (vLLM, float32): decode tokens/s at
-   batch 1 and 8, and greedy continuations of prompts drawn from that
-   language as training data.
-2. EAGLE-3 serving with a random drafter (k=3): acceptance and tokens/s.
-3. Capture the target's aux hidden states through the patched forward: an
-   in-process engine serves the training sequences as prompts with a drafter
-   attached; the EAGLE proposer's ``propose`` receives the concatenated aux
-   states of every prefill token (what a drafter trains on) and is wrapped to
-   record them. Layer ids come from the drafter config
-   (``eagle_aux_hidden_state_layer_ids``).
-4. Train the drafter (same architecture as vLLM's LlamaForCausalLMEagle3:
-   fc over 3 aux states, one Llama layer over [embeds, hidden], norm, lm_head;
-   embeddings shared with the target) for k=3 steps with training-time test
-   unrolling (step j>1 feeds back the drafter's own pre-norm hidden state and
-   attends to first-pass keys of earlier positions plus its own chain).
-5. EAGLE-3 serving with the trained drafter: acceptance and tokens/s.
-
-Every EAGLE-3 run is also checked against plain greedy output (token for
-token). The drafter's validation accuracy per step also gives the acceptance
-length the served drafter should reach if serving hands it the same aux
-states the capture saw (1 + a1 + a1*a2 + a1*a2*a3); it is reported next to
-the measured one. Results: DIR/bench_eagle3.json and a table on stdout.
+A random target's next token cannot be predicted, so the target is first
+trained on a language with a skip rule, t[i+1] = f(t[i-1]): the token the
+drafter needs is not its own input, so it must come from the target's aux
+states. Then: plain serving (the drafter's training data), the aux states
+captured from the EAGLE proposer of a real engine, a drafter trained on them
+(k = 3, training-time-test unrolling), and serving it: acceptance, tok/s,
+greedy equality with plain, the aux ids shifted by one as a control and, in
+production, the same run eager. ``cache``: two drafters in turn, one
+VLLM_CACHE_ROOT. docs/gpu.md describes each step and the results.
 """
 
 from __future__ import annotations

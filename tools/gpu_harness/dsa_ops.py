@@ -1,113 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Torch stand-ins for the compiled kernels of DeepSeek Sparse Attention (DSA).
 
-GLM-5 (``GlmMoeDsaForCausalLM``) and DeepSeek-V3.2 (``DeepseekV32ForCausalLM``)
-are ``DeepseekV2ForCausalLM`` subclasses whose config has ``index_topk``
-(``vllm/model_executor/models/deepseek_v2.py:832 self.is_v32 = hasattr(config,
-"index_topk")``; GLM-5 is registered at ``models/registry.py:117``). With MLA on,
-their attention runs an indexer that picks ``index_topk`` past tokens per query
-and the FLASHMLA_SPARSE backend, which attends only to those. FLASHMLA_SPARSE is
-the only sparse MLA backend vLLM v0.16.0 offers on SM90
-(``vllm/platforms/cuda.py:44-66``: every other MLA backend is dense;
-``backends/mla/flashmla_sparse.py:115 supports_compute_capability`` -> 9 or 10;
-``cuda.py:246`` forces block size 64 for it). All references below are to the
-v0.16.0 sdist (``python3 -m tools.source --full``) and, for FlashMLA, to
-``vllm/third_party/flashmla/flash_mla_interface.py`` of the official v0.16.0
-wheel (vendored from vllm-project/FlashMLA at
-c2afa9cb93e674d5a9120a170a6da57b89267208, ``cmake/external_projects/flashmla.cmake:22``).
-
-Compiled code the forward reaches (eager, ``custom_ops=["none"]``)
--------------------------------------------------------------------
-Indexer (called from ``layers/mla.py:162`` when ``is_sparse``;
-``deepseek_v2.py:667 Indexer.forward`` ->
-``layers/sparse_attn_indexer.py:28 sparse_attn_indexer``, a ``torch.ops.vllm``
-custom op that ``SparseAttnIndexer.forward_native`` calls on CUDA, line 261):
-
-1. ``_C::per_token_group_fp8_quant`` - the indexer query, fp8 with one ue8m0
-   scale per 128 values: ``deepseek_v2.py:696 per_token_group_quant_fp8(q, 128,
-   use_ue8m0=True)`` -> ``quantization/utils/fp8_utils.py:926`` (CUDA and
-   contiguous input take the compiled op, not the Triton fallback).
-2. ``_C_cache_ops::indexer_k_quant_and_cache`` - ``sparse_attn_indexer.py:76``
-   via ``_custom_ops.py:2559``; writes the indexer K cache (fp8 + fp32 scale).
-3. ``_C_cache_ops::cp_gather_indexer_k_quant_cache`` - prefill,
-   ``sparse_attn_indexer.py:97`` via ``_custom_ops.py:2571``.
-4. DeepGEMM ``fp8_mqa_logits`` - prefill, ``sparse_attn_indexer.py:105`` ->
-   ``utils/deep_gemm.py:241`` -> ``deep_gemm.fp8_mqa_logits`` (resolved by
-   ``_lazy_init``, ``deep_gemm.py:157-162``, ``importlib.import_module("deep_gemm")``
-   when ``importlib.util.find_spec("deep_gemm")`` is not None,
-   ``utils/import_utils.py:415``).
-5. ``_C::top_k_per_row_prefill`` - ``sparse_attn_indexer.py:118``.
-6. DeepGEMM ``get_paged_mqa_logits_metadata`` - decode metadata,
-   ``v1/attention/backends/mla/indexer.py:325`` (only when
-   ``is_deep_gemm_supported()``: SM90/SM100, ``VLLM_USE_DEEP_GEMM`` and the
-   ``deep_gemm`` module findable) -> ``deep_gemm.py:275``.
-7. DeepGEMM ``fp8_paged_mqa_logits`` - decode, ``sparse_attn_indexer.py:153``
-   -> ``deep_gemm.py:296``.
-8. ``_C::top_k_per_row_decode`` - ``sparse_attn_indexer.py:167``.
-
-Sparse MLA (``layers/attention/mla_attention.py`` ->
-``backends/mla/flashmla_sparse.py FlashMLASparseImpl.forward_mqa`` line 970):
-
-9. ``_C_cache_ops::concat_and_cache_mla`` - ``mla_attention.py:524`` via
-   ``_custom_ops.py:2426``; ``kv_cache_dtype`` "auto" (bf16 cache, 576 values
-   per token) or "fp8_ds_mla" (656 bytes per token; ``csrc/cache_kernels.cu:334
-   concat_and_cache_ds_mla_kernel`` and the checks at lines 720-728: 512 fp8
-   NoPE bytes, 4 fp32 scales (one per 128 values), 64 bf16 RoPE values).
-10. ``_flashmla_C::sparse_prefill_fwd`` - FlashMLA ``flash_mla_sparse_fwd``
-    (interface line 177), called at ``flashmla_sparse.py:964`` from
-    ``_bf16_flash_mla_kernel``. This is the whole bf16-cache path (prefill AND
-    decode, ``_forward_bf16_kv`` line 742) and the prefill half of the fp8
-    "separate" path.
-11. ``_flashmla_C::sparse_decode_fwd`` - FlashMLA ``flash_mla_with_kvcache``
-    with ``indices`` (interface line 156), called at ``flashmla_sparse.py:922``
-    from ``_fp8_flash_mla_kernel`` (fp8 cache only; with fewer than
-    ``MIN_HEADS_FOR_BF16_PREFILL`` = 32 heads the fp8 path sends prefill
-    through it too, line 664).
-12. ``_C_cache_ops::cp_gather_and_upconvert_fp8_kv_cache`` - fp8 cache with
-    >= 32 heads, prefill chunks, ``flashmla_sparse.py:842`` via
-    ``_custom_ops.py:2547``.
-
-Not compiled, so not stood in: FlashMLA ``get_mla_metadata``
-(``flashmla_sparse.py:475, 618``) is pure Python in the interface (it returns an
-empty ``FlashMLASchedMeta``); ``triton_convert_req_index_to_global_index``
-(``flashmla_sparse.py:274``) and ``pack_seq_triton``/``unpack_seq_triton`` are
-Triton and run as they are. The interface module itself does ``import
-vllm._flashmla_C`` and ``vllm/v1/attention/ops/flashmla.py:14,24`` imports
-``vllm._flashmla_C`` and ``vllm._flashmla_extension_C``; ``install()`` puts
-empty modules under those names (only where the real ones are missing) so the
-unmodified interface loads and calls the ``_flashmla_C`` ops registered here.
-
-Which paths are fp8-only in v0.16.0
------------------------------------
-* The indexer is fp8 whatever the KV-cache dtype: its K cache is uint8
-  (``deepseek_v2.py:645``, 128 fp8 + 4 scale bytes per token), its query is
-  quantized to fp8 (item 1), and the DeepGEMM logits take fp8 only.
-* The sparse MLA attention itself is reachable in bf16 without changing model
-  code: ``FlashMLASparseBackend.supported_kv_cache_dtypes`` is "auto",
-  "bfloat16", "fp8_ds_mla" (``flashmla_sparse.py:79``), and
-  ``models/config.py:543 DeepseekV32ForCausalLM.verify_and_update_config`` only
-  turns an ``fp8*`` cache dtype into "fp8_ds_mla". With the default "auto",
-  prefill and decode both go through ``sparse_prefill_fwd`` on a bf16 cache.
-  ``sparse_decode_fwd`` asserts ``is_fp8_kvcache`` (interface line 155), so it
-  and ``cp_gather_and_upconvert_fp8_kv_cache`` are fp8-only.
-* With MLA off (``VLLM_MLA_DISABLE=1``) these models do not run at all:
-  ``DeepseekV2Attention`` asserts ``topk_indices_buffer is None``
-  (``deepseek_v2.py:430``), and the model allocates one whenever the config
-  has ``index_topk`` (line 1049). DSA needs MLA on.
-* The model dtype must be bfloat16 (``supported_dtypes``, line 78) and the head
-  size 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (line 102). The FlashMLA
-  kernels take 64 or 128 query heads; vLLM pads to 64 on Hopper and asserts
-  ``64 % num_heads == 0`` (line 954).
-
-What each stand-in computes is written next to it, read from the kernel source
-(vLLM ``csrc/``, FlashMLA ``csrc/api/sparse_fwd.h`` and ``sparse_decode.h``,
-DeepGEMM ``sm90_fp8_mqa_logits.cuh``). Where a kernel leaves a choice open
-(order of the top-k output, ties at the k-th value, values of logits outside
-a row's range when ``clean_logits`` is False), the stand-in picks one result
-the kernel can produce and says which. Nothing here reads device values on the
-host or changes shape with data, so the decode paths can be captured in CUDA
-graphs. ``tests/e2e/gpu/test_harness_dsa_ops.py`` checks each op against a
-reference written out with Python loops.
+GLM-5 and DeepSeek-V3.2 need MLA on, an fp8 indexer (vLLM ``_C`` ops and
+DeepGEMM) and FLASHMLA_SPARSE (FlashMLA ``_flashmla_C``), none of which load on
+the lent H200. docs/gpu-dsa.md lists each kernel with its v0.16.0 call site and
+the fp8-only paths. What each stand-in computes is written next to it, read
+from the kernel source (vLLM ``csrc/``, FlashMLA ``csrc/api/sparse_fwd.h`` and
+``sparse_decode.h`` at c2afa9cb, DeepGEMM ``sm90_fp8_mqa_logits.cuh``); where a
+kernel leaves a choice open (top-k order, ties at the k-th value, logits
+outside a row when ``clean_logits`` is False) the stand-in picks one result the
+kernel can produce and says which. ``tests/e2e/gpu/test_harness_dsa_ops.py``
+checks each op against a literal reference.
 
 Kept free of vLLM imports (it is imported while ``vllm`` itself is importing).
 """

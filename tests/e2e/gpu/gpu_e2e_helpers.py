@@ -2,30 +2,14 @@
 """Shared pieces of the GPU e2e tests and the harness benchmark.
 
 The engine settings are the same on the lent device (harness) and on a GPU box
-with the real wheel, so the tests run unchanged on both:
-
-* float32 weights and activations, IEEE float32 Triton dots
-  (TRITON_F32_DEFAULT=ieee): spec decoding and plain decoding run the target
-  on different token counts per step, and in bf16 (or TF32) that alone can
-  flip a near-tied greedy pick or expert choice; in float32 the greedy output
-  of prompts whose decisions are not near-tied is a property of the model, so
-  "EAGLE-3 output == plain output" can be asserted token for token
-  (tools/gpu_harness/fp64_reference.py measures the margins);
-* ``enforce_eager=True`` and ``compilation_config={"custom_ops": ["none"]}``:
-  every vLLM CustomOp takes its native torch path;
-* ``attention_backend="TRITON_ATTN"`` with ``VLLM_MLA_DISABLE=1``: the
-  DeepSeek-family targets use their non-MLA attention (the harness has no MLA
-  kernels; ``EAGLE3_GPU_MLA=1`` keeps MLA on, for a box with the real wheel).
-
-That is the ``smoke`` profile (the default). ``EAGLE3_GPU_PROFILE=production``
-runs what deployments run: bfloat16, MLA on (the tiny targets get the real
-latent geometry, kv_lora_rank 512 + qk_rope_head_dim 64, qk_nope_head_dim
-128, v_head_dim 128), vLLM's default compilation (torch.compile and piecewise
-CUDA graphs, no ``enforce_eager``, no ``custom_ops`` override) and the
-attention backends vLLM selects itself. ``EAGLE3_GPU_PROFILE=eager`` is the
-production profile with ``enforce_eager=True``: the same weights and kernels
-without compilation or graphs, the reference the production numbers are
-compared with.
+with the real wheel, so the tests run unchanged on both. Three profiles
+(``EAGLE3_GPU_PROFILE``, table in docs/gpu.md): ``smoke`` (default; float32
+with IEEE Triton dots, eager, native CustomOps, MLA off) makes "EAGLE-3 output
+== plain output" a property of the model, since in bf16 or TF32 the different
+token counts per step of spec and plain decoding can flip a near-tied pick
+(fp64_reference.py measures the margins); ``production`` is what deployments
+run (bf16, MLA with the published latent geometry, torch.compile and CUDA
+graphs, vLLM's own backends); ``eager`` is production without compilation.
 """
 
 from __future__ import annotations
