@@ -4,7 +4,7 @@
 
 The reference is GLM-5's published config.json (data/zai-org--GLM-5, copied
 verbatim; provenance in data/README.md): whatever vLLM builds from it must
-say what the file says. CPU-only, config files only.
+say what the file says.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm.transformers_utils import configs
+
 DATA = Path(__file__).resolve().parent / "data"
 GLM5 = DATA / "zai-org--GLM-5"
 DSV32 = DATA / "deepseek-ai--DeepSeek-V3.2"
@@ -30,41 +32,19 @@ PUBLISHED_SHA256 = {
 # What DeepseekV2ForCausalLM, its MoE, MLA attention and the DSA indexer
 # (vllm/model_executor/models/deepseek_v2.py) read from the HF config.
 MODEL_READS = [
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "rope_parameters",
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
     # MLA
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     "v_head_dim",
     # MoE and routing
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "first_k_dense_replace",
-    "moe_layer_freq",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "n_group",
-    "topk_group",
-    "topk_method",
-    "scoring_func",
-    "num_nextn_predict_layers",
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+    "first_k_dense_replace", "moe_layer_freq", "norm_topk_prob",
+    "routed_scaling_factor", "n_group", "topk_group", "topk_method",
+    "scoring_func", "num_nextn_predict_layers",
     # DSA indexer
-    "index_topk",
-    "index_n_heads",
-    "index_head_dim",
-    "indexer_rope_interleave",
+    "index_topk", "index_n_heads", "index_head_dim", "indexer_rope_interleave",
 ]
 
 
@@ -86,10 +66,8 @@ def test_fixture_is_the_published_file(path):
 
 
 def test_glm5_config_loads_as_glm_moe_dsa():
-    from vllm.transformers_utils.configs import GlmMoeDsaConfig
-
     config = load(GLM5)
-    assert isinstance(config, GlmMoeDsaConfig)
+    assert isinstance(config, configs.GlmMoeDsaConfig)
     assert config.model_type == "glm_moe_dsa"
     assert config.architectures == ["GlmMoeDsaForCausalLM"]
     assert config.num_hidden_layers == 78
@@ -131,9 +109,7 @@ def test_model_config_describes_glm5_as_mla_with_dsa():
     from vllm.config import ModelConfig
 
     file = published(GLM5)
-    config = ModelConfig(
-        model=str(GLM5), tokenizer=str(GLM5), skip_tokenizer_init=True
-    )
+    config = ModelConfig(model=str(GLM5), tokenizer=str(GLM5), skip_tokenizer_init=True)
     assert config.architectures == ["GlmMoeDsaForCausalLM"]
     assert config.hf_text_config.model_type == "glm_moe_dsa"
     assert config.is_deepseek_mla
@@ -145,19 +121,15 @@ def test_model_config_describes_glm5_as_mla_with_dsa():
 
 
 def test_glm5_config_save_and_load_round_trip(tmp_path):
-    from vllm.transformers_utils.configs import GlmMoeDsaConfig
-
     load(GLM5).save_pretrained(tmp_path)
     restored = load(tmp_path)
-    assert isinstance(restored, GlmMoeDsaConfig)
+    assert isinstance(restored, configs.GlmMoeDsaConfig)
     for name in MODEL_READS:
         assert getattr(restored, name) == published(GLM5)[name], name
 
 
 def test_defaults_are_glm5():
-    from vllm.transformers_utils.configs import GlmMoeDsaConfig
-
-    config, file = GlmMoeDsaConfig(), published(GLM5)
+    config, file = configs.GlmMoeDsaConfig(), published(GLM5)
     # RoPE is the exception: a config that names no theta gets 10000, as
     # with transformers' own class; indexer_rope_interleave is kept only
     # when given, so the model code's own default applies otherwise.
@@ -167,37 +139,29 @@ def test_defaults_are_glm5():
 
 
 def test_legacy_rope_fields_fold_into_rope_parameters():
-    from vllm.transformers_utils.configs import GlmMoeDsaConfig
-
     yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
-    config = GlmMoeDsaConfig(rope_theta=500000.0, rope_scaling=yarn)
-    assert config.rope_parameters == {**yarn, "rope_type": "yarn", "rope_theta": 500000.0}
-    assert GlmMoeDsaConfig(rope_theta=5.0).rope_parameters == {
-        "rope_type": "default",
-        "rope_theta": 5.0,
-    }
+    config = configs.GlmMoeDsaConfig(rope_theta=500000.0, rope_scaling=yarn)
+    want = {**yarn, "rope_type": "yarn", "rope_theta": 500000.0}
+    assert config.rope_parameters == want
+    default = {"rope_type": "default", "rope_theta": 5.0}
+    assert configs.GlmMoeDsaConfig(rope_theta=5.0).rope_parameters == default
 
 
 def test_conflicting_rope_theta_is_refused():
-    from vllm.transformers_utils.configs import GlmMoeDsaConfig
-
+    rope = {"rope_type": "default", "rope_theta": 1000000}
     with pytest.raises(ValueError, match=r"rope_theta=10000\.0 disagrees"):
-        GlmMoeDsaConfig(
-            rope_theta=10000.0,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000},
-        )
+        configs.GlmMoeDsaConfig(rope_theta=10000.0, rope_parameters=rope)
 
 
 def test_mlp_layer_types_must_match_the_layers_vllm_builds():
-    from vllm.transformers_utils.configs import GlmMoeDsaConfig
-
     kwargs = dict(num_hidden_layers=5, first_k_dense_replace=2)
     good = ["dense", "dense", "sparse", "sparse", "sparse"]
-    assert GlmMoeDsaConfig(mlp_layer_types=good, **kwargs).mlp_layer_types == good
+    config = configs.GlmMoeDsaConfig(mlp_layer_types=good, **kwargs)
+    assert config.mlp_layer_types == good
     with pytest.raises(ValueError, match=r"disagrees at layers \[1\]"):
-        GlmMoeDsaConfig(mlp_layer_types=["dense"] + ["sparse"] * 4, **kwargs)
+        configs.GlmMoeDsaConfig(mlp_layer_types=["dense"] + ["sparse"] * 4, **kwargs)
     with pytest.raises(ValueError, match="must list 5 entries"):
-        GlmMoeDsaConfig(mlp_layer_types=good[:4], **kwargs)
+        configs.GlmMoeDsaConfig(mlp_layer_types=good[:4], **kwargs)
 
 
 @pytest.mark.regression
@@ -212,15 +176,14 @@ def test_deepseek_v32_config_still_loads_as_deepseek_v3_config():
     assert config.rope_parameters["factor"] == file["rope_scaling"]["factor"]
 
 
-# ----------------------------------------- with a transformers that knows it
-
 _COMPARE = """
 import json, sys
 import transformers
 from transformers import AutoConfig
 from vllm.transformers_utils.config import get_config
 path, names = sys.argv[1], json.loads(sys.argv[2])
-ours, theirs = get_config(path, trust_remote_code=False), AutoConfig.from_pretrained(path)
+ours = get_config(path, trust_remote_code=False)
+theirs = AutoConfig.from_pretrained(path)
 print(json.dumps({
     "transformers": transformers.__version__,
     "ours": type(ours).__module__ + "." + type(ours).__name__,
@@ -232,30 +195,24 @@ print(json.dumps({
 
 
 def test_glm5_agrees_with_transformers_own_class(tmp_path):
-    """vLLM's registry is consulted before AutoConfig, so with transformers
-    >= 5.2 (which has GlmMoeDsaConfig) vLLM's class still loads GLM-5; both
-    must then say the same about everything the model code reads.
-
-    Needs a directory holding transformers >= 5.2 and its huggingface_hub,
-    named by EAGLE3_TRANSFORMERS5_SITE (it goes first on PYTHONPATH), e.g.
+    """With transformers >= 5.2 (which has its own GlmMoeDsaConfig) vLLM's
+    registry still wins; both classes must agree on what the model code reads.
+    EAGLE3_TRANSFORMERS5_SITE names a site put first on PYTHONPATH, e.g. from
     pip install --no-deps --target build/tf5 transformers==5.2.0
-    'huggingface-hub>=1.3,<2' typer-slim
-    """
+    'huggingface-hub>=1.3,<2' typer-slim"""
     site = os.environ.get("EAGLE3_TRANSFORMERS5_SITE")
     if not site:
         pytest.skip("EAGLE3_TRANSFORMERS5_SITE is not set (a transformers>=5.2 site)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [site] + [p for p in sys.path if p]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, *filter(None, sys.path)]))
     proc = subprocess.run(
         [sys.executable, "-c", _COMPARE, str(GLM5), json.dumps(MODEL_READS)],
         capture_output=True, text=True, env=env, timeout=600,
-        # Not the checkout: its root holds the pristine vllm/ tree.
-        cwd=tmp_path,
+        cwd=tmp_path,  # not the checkout, whose root holds the pristine vllm/
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     major_minor = tuple(int(x) for x in result["transformers"].split(".")[:2])
     assert major_minor >= (5, 2), result
-    assert result["ours"] == "vllm.transformers_utils.configs.glm_moe_dsa.GlmMoeDsaConfig"
+    assert result["ours"] == f"{configs.__name__}.glm_moe_dsa.GlmMoeDsaConfig"
     assert result["theirs"].startswith("transformers.models.glm_moe_dsa."), result
     assert result["diff"] == {}, result

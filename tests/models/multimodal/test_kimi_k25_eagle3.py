@@ -3,8 +3,8 @@
 """EAGLE-3 support of KimiK25ForConditionalGeneration (CPU-only, no weights).
 
 The wrapper is built without its __init__ (no vision tower); its language
-model is a real DeepseekV3ForCausalLM whose inner DeepseekV2Model runs
-stand-in decoder layers.
+model is a real DeepseekV3ForCausalLM whose DeepseekV2Model runs stand-in
+decoder layers.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from vllm.model_executor.models import deepseek_v2
 from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
 from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
 
-HIDDEN = 8
-VOCAB = 32
+HIDDEN, VOCAB = 8, 32
 
 
 class StandInLayer(nn.Module):
@@ -55,12 +54,9 @@ def make_kimi(num_layers: int = 61) -> KimiK25ForConditionalGeneration:
     inner.layers = nn.ModuleList(StandInLayer(i) for i in range(num_layers))
     inner.norm = AddNorm()
     inner.do_not_compile = True  # plain forward, no torch.compile
-
     text = object.__new__(deepseek_v2.DeepseekV3ForCausalLM)
     nn.Module.__init__(text)
-    text.config = SimpleNamespace(num_hidden_layers=num_layers)
-    text.model = inner
-
+    text.config, text.model = inner.config, inner
     kimi = object.__new__(KimiK25ForConditionalGeneration)
     nn.Module.__init__(kimi)
     kimi.language_model = text
@@ -84,9 +80,8 @@ def test_kimi_k25_set_aux_layers_reaches_text_model():
 
 
 def test_kimi_k25_set_aux_layers_is_validated():
-    kimi = make_kimi(61)
     with pytest.raises(ValueError, match=r"invalid ids \[62\].*\[0, 61\]"):
-        kimi.set_aux_hidden_state_layers((2, 30, 62))
+        make_kimi(61).set_aux_hidden_state_layers((2, 30, 62))
 
 
 def test_kimi_k25_forward_hands_aux_states_through():
@@ -101,7 +96,6 @@ def test_kimi_k25_forward_hands_aux_states_through():
 
 @pytest.mark.regression
 def test_kimi_k25_forward_without_capture_returns_tensor():
-    kimi = make_kimi(5)
-    out = kimi.forward(torch.tensor([1, 2, 3]), torch.arange(3))
+    out = make_kimi(5).forward(torch.tensor([1, 2, 3]), torch.arange(3))
     assert isinstance(out, torch.Tensor)
     assert out.shape == (3, HIDDEN)

@@ -2,16 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """EAGLE-3 support of the DeepSeek family (DeepseekV2ForCausalLM and subclasses).
 
-CPU-only: DeepseekV2Model.forward runs on stand-in decoder layers with the
-real layer's call signature, so no kernels, weights or distributed setup
-are needed. Layer ``k`` of the stand-in model does what the real decoder
-layer does to the residual stream: it takes ``(hidden_states, residual)``,
-the stream is their sum (or ``hidden_states`` alone before layer 0), and it
-returns ``(f_k(stream), stream)``.
+CPU-only: DeepseekV2Model.forward runs on stand-in decoder layers that treat
+the residual stream as the real ones do, so no kernels, weights or
+distributed setup are needed.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -23,70 +21,58 @@ from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
 
-HIDDEN = 8
-VOCAB = 32
+HIDDEN, VOCAB = 8, 32
+IDS = torch.tensor([3, 1, 4, 1, 5])
+FIELD = "eagle_aux_hidden_state_layer_ids"
 FAMILY = [
     deepseek_v2.DeepseekV2ForCausalLM,
     deepseek_v2.DeepseekForCausalLM,
     deepseek_v2.DeepseekV3ForCausalLM,
     deepseek_v2.GlmMoeDsaForCausalLM,
 ]
+same = partial(torch.testing.assert_close, rtol=0, atol=0)
 
 
 class RecorderLayer(nn.Module):
-    """Deterministic stand-in for DeepseekV2DecoderLayer."""
+    """Stand-in for DeepseekV2DecoderLayer: the stream is hidden_states +
+    residual (hidden_states alone before layer 0); returns (f(stream), stream)
+    and records each stream it sees."""
 
     def __init__(self, idx: int) -> None:
         super().__init__()
         self.idx = idx
         self.inputs: list[torch.Tensor] = []
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        llama_4_scaling: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions, hidden_states, residual, llama_4_scaling=None):
         stream = hidden_states if residual is None else hidden_states + residual
         self.inputs.append(stream.clone())
-        out = torch.tanh(stream * (0.5 + 0.1 * self.idx)) + 0.01 * self.idx
-        return out, stream
+        return torch.tanh(stream * (0.5 + 0.1 * self.idx)) + 0.01 * self.idx, stream
 
 
 class AddNorm(nn.Module):
     """Stand-in for the fused add + RMSNorm: returns (normed, stream)."""
 
-    def forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states, residual):
         stream = hidden_states + residual
         return stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-6), stream
 
 
-class FakePPGroup:
-    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
-        self.world_size = world_size
-        self.rank_in_group = rank
-        self.is_first_rank = rank == 0
-        self.is_last_rank = rank == world_size - 1
-
-
 @pytest.fixture
 def pp_group(monkeypatch: pytest.MonkeyPatch):
-    """Single-stage pipeline by default; tests may swap it via set_pp()."""
-    state = {"group": FakePPGroup()}
-    monkeypatch.setattr(deepseek_v2, "get_pp_group", lambda: state["group"])
+    """A single pipeline stage unless the test calls set_pp()."""
 
-    def set_pp(world_size: int, rank: int) -> None:
-        state["group"] = FakePPGroup(world_size, rank)
+    def set_pp(world_size: int = 1, rank: int = 0) -> None:
+        group = SimpleNamespace(
+            world_size=world_size, rank_in_group=rank, is_first_rank=rank == 0,
+            is_last_rank=rank == world_size - 1,
+        )
+        monkeypatch.setattr(deepseek_v2, "get_pp_group", lambda: group)
 
+    set_pp()
     return set_pp
 
 
-def make_model(
-    num_layers: int, start: int = 0, end: int | None = None
-) -> deepseek_v2.DeepseekV2Model:
+def make_model(num_layers: int, start: int = 0, end: int | None = None):
     """A DeepseekV2Model holding layers [start, end) of num_layers, as one
     pipeline stage would, built without running its __init__."""
     end = num_layers if end is None else end
@@ -104,11 +90,7 @@ def make_model(
     return model
 
 
-def make_causal_lm(
-    cls: type = deepseek_v2.DeepseekV3ForCausalLM,
-    num_layers: int = 61,
-    model: nn.Module | None = None,
-):
+def make_causal_lm(cls=deepseek_v2.DeepseekV3ForCausalLM, num_layers=61, model=None):
     lm = object.__new__(cls)
     nn.Module.__init__(lm)
     lm.config = SimpleNamespace(num_hidden_layers=num_layers)
@@ -116,40 +98,25 @@ def make_causal_lm(
     return lm
 
 
-def stock_forward(model, input_ids, positions, intermediate_tensors=None):
+def stock_forward(model, intermediate_tensors=None):
     """What DeepseekV2Model.forward computed in v0.16.0, on the same stand-ins."""
     if intermediate_tensors is None:
-        hidden_states, residual = model.embed_tokens(input_ids), None
+        hidden_states, residual = model.embed_tokens(IDS), None
     else:
         hidden_states = intermediate_tensors["hidden_states"]
         residual = intermediate_tensors["residual"]
     for layer in model.layers[model.start_layer : model.end_layer]:
-        hidden_states, residual = layer(positions, hidden_states, residual, None)
+        hidden_states, residual = layer(None, hidden_states, residual, None)
     if model.end_layer != model.config.num_hidden_layers:
         return hidden_states, residual
     return model.norm(hidden_states, residual)
 
 
 def run(model, intermediate_tensors=None):
-    input_ids = torch.tensor([3, 1, 4, 1, 5])
-    positions = torch.arange(5)
     for layer in model.layers:
         if isinstance(layer, RecorderLayer):
             layer.inputs.clear()
-    return model.forward(input_ids, positions, intermediate_tensors)
-
-
-def stage_input() -> IntermediateTensors:
-    torch.manual_seed(1)
-    return IntermediateTensors(
-        {
-            "hidden_states": torch.randn(5, HIDDEN),
-            "residual": torch.randn(5, HIDDEN),
-        }
-    )
-
-
-# ---------------------------------------------------------------- interface
+    return model.forward(IDS, torch.arange(5), intermediate_tensors)
 
 
 @pytest.mark.parametrize("cls", FAMILY, ids=lambda c: c.__name__)
@@ -167,177 +134,128 @@ def test_default_aux_layers(pp_group, num_layers, expected):
     assert lm.get_eagle3_aux_hidden_state_layers() == expected
 
 
-@pytest.mark.parametrize(
-    "layers", [(2, 30, 58), [1, 29, 57], (0, 61), (61,)]
-)
+@pytest.mark.parametrize("layers", [(2, 30, 58), [1, 29, 57], (0, 61), (61,)])
 def test_set_aux_layers_accepts_valid_ids(pp_group, layers):
     lm = make_causal_lm(num_layers=61)
     lm.set_aux_hidden_state_layers(layers)
     assert lm.model.aux_hidden_state_layers == tuple(layers)
 
 
+def refused(lm, layers) -> str:
+    """set_aux_hidden_state_layers raises and leaves no capture configured."""
+    with pytest.raises(ValueError) as exc_info:
+        lm.set_aux_hidden_state_layers(layers)
+    assert lm.model.aux_hidden_state_layers == ()
+    return str(exc_info.value)
+
+
+# Unsorted ids would hand the drafter's fc its inputs permuted: the forward
+# returns states in layer order.
 @pytest.mark.parametrize(
-    ("layers", "bad"),
+    ("layers", "expected"),
     [
-        ((2, "30", 58), "'30'"),
-        ((2, 30.0, 58), "30.0"),
-        ((True, 30, 58), "True"),
-        ((-1, 30, 58), "-1"),
-        ((2, 30, 62), "62"),
-        ((2, 30, 100), "100"),
+        ((2, "30", 58), ["invalid ids ['30']", "[0, 61]", FIELD]),
+        ((2, 30.0, 58), ["invalid ids [30.0]", "[0, 61]", FIELD]),
+        ((True, 30, 58), ["invalid ids [True]", "[0, 61]", FIELD]),
+        ((-1, 30, 58), ["invalid ids [-1]", "[0, 61]", FIELD]),
+        ((2, 30, 62), ["invalid ids [62]", "[0, 61]", FIELD]),
+        ((2, 30, 100), ["invalid ids [100]", "[0, 61]", FIELD]),
+        ((58, 2, 30), ["not in ascending order", "[2, 30, 58]", FIELD]),
+        ([30, 2, 58], ["not in ascending order", "[2, 30, 58]", FIELD]),
+        ((61, 0), ["not in ascending order", "[0, 61]", FIELD]),
+        ((2, 30, 30), ["duplicate ids [30]"]),
+        (30, ["list or tuple"]),
     ],
 )
-def test_set_aux_layers_rejects_bad_ids(pp_group, layers, bad):
-    lm = make_causal_lm(num_layers=61)
-    with pytest.raises(ValueError) as exc_info:
-        lm.set_aux_hidden_state_layers(layers)
-    msg = str(exc_info.value)
-    assert f"invalid ids [{bad}]" in msg
-    assert "[0, 61]" in msg
-    assert "eagle_aux_hidden_state_layer_ids" in msg
-    assert lm.model.aux_hidden_state_layers == ()
-
-
-def test_set_aux_layers_rejects_duplicates(pp_group):
-    lm = make_causal_lm(num_layers=61)
-    with pytest.raises(ValueError, match=r"duplicate ids \[30\]"):
-        lm.set_aux_hidden_state_layers((2, 30, 30))
-
-
-@pytest.mark.parametrize("layers", [(58, 2, 30), [30, 2, 58], (61, 0)])
-def test_set_aux_layers_rejects_unsorted_ids(pp_group, layers):
-    # The forward returns states in layer order, so unsorted ids would hand
-    # the drafter's fc its inputs permuted.
-    lm = make_causal_lm(num_layers=61)
-    with pytest.raises(ValueError) as exc_info:
-        lm.set_aux_hidden_state_layers(layers)
-    msg = str(exc_info.value)
-    assert "not in ascending order" in msg
-    assert str(sorted(layers)) in msg
-    assert "eagle_aux_hidden_state_layer_ids" in msg
-    assert lm.model.aux_hidden_state_layers == ()
-
-
-def test_set_aux_layers_rejects_non_sequence(pp_group):
-    lm = make_causal_lm(num_layers=61)
-    with pytest.raises(ValueError, match="list or tuple"):
-        lm.set_aux_hidden_state_layers(30)
+def test_set_aux_layers_rejects_bad_ids(pp_group, layers, expected):
+    msg = refused(make_causal_lm(num_layers=61), layers)
+    for text in expected:
+        assert text in msg
 
 
 def test_set_aux_layers_refuses_pipeline_parallel(pp_group):
     pp_group(world_size=2, rank=1)
-    lm = make_causal_lm(num_layers=61)
-    with pytest.raises(ValueError) as exc_info:
-        lm.set_aux_hidden_state_layers((2, 30, 58))
-    msg = str(exc_info.value)
+    msg = refused(make_causal_lm(num_layers=61), (2, 30, 58))
     assert "pipeline" in msg and "pipeline_parallel_size=2" in msg
-    assert lm.model.aux_hidden_state_layers == ()
-
-
-# ---------------------------------------------------------------- forward
 
 
 @pytest.mark.regression
 def test_capture_off_output_unchanged(pp_group):
     model = make_model(6)
-    expected, _ = stock_forward(model, torch.tensor([3, 1, 4, 1, 5]), None)
+    expected, _ = stock_forward(model)
     out = run(model)
     assert isinstance(out, torch.Tensor)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    same(out, expected)
 
 
 @pytest.mark.regression
-def test_capture_off_non_last_rank_unchanged(pp_group):
+@pytest.mark.parametrize("aux", [(), (1, 2)], ids=["capture_off", "requested"])
+def test_non_last_rank_returns_intermediate_tensors_unchanged(pp_group, aux):
     pp_group(world_size=2, rank=0)
     model = make_model(8, 0, 4)
-    exp_hidden, exp_residual = stock_forward(model, torch.tensor([3, 1, 4, 1, 5]), None)
-    out = run(model)
-    assert isinstance(out, IntermediateTensors)
-    torch.testing.assert_close(out["hidden_states"], exp_hidden, rtol=0, atol=0)
-    torch.testing.assert_close(out["residual"], exp_residual, rtol=0, atol=0)
-
-
-@pytest.mark.regression
-def test_capture_requested_non_last_rank_returns_intermediate_tensors(pp_group):
-    pp_group(world_size=2, rank=0)
-    model = make_model(8, 0, 4)
-    exp_hidden, exp_residual = stock_forward(model, torch.tensor([3, 1, 4, 1, 5]), None)
-    model.aux_hidden_state_layers = (1, 2)
+    exp_hidden, exp_residual = stock_forward(model)
+    model.aux_hidden_state_layers = aux
     out = run(model)
     assert isinstance(out, IntermediateTensors)
     assert set(out.tensors) == {"hidden_states", "residual"}
-    torch.testing.assert_close(out["hidden_states"], exp_hidden, rtol=0, atol=0)
-    torch.testing.assert_close(out["residual"], exp_residual, rtol=0, atol=0)
+    same(out["hidden_states"], exp_hidden)
+    same(out["residual"], exp_residual)
 
 
-def test_capture_returns_inputs_of_requested_layers(pp_group):
+@pytest.mark.parametrize("requested", [(1, 3, 4), (4, 1, 3)])
+def test_capture_returns_inputs_of_requested_layers(pp_group, requested):
+    """States come back in ascending layer order, whatever order was set."""
     model = make_model(6)
-    expected, _ = stock_forward(model, torch.tensor([3, 1, 4, 1, 5]), None)
-    model.aux_hidden_state_layers = (1, 3, 4)
+    expected, _ = stock_forward(model)
+    model.aux_hidden_state_layers = requested
     out = run(model)
     assert isinstance(out, tuple) and len(out) == 2
     hidden_states, aux = out
-    torch.testing.assert_close(hidden_states, expected, rtol=0, atol=0)
+    same(hidden_states, expected)
     assert isinstance(aux, list) and len(aux) == 3
     for state, layer_id in zip(aux, (1, 3, 4), strict=True):
         assert state.shape == (5, HIDDEN)
-        torch.testing.assert_close(
-            state, model.layers[layer_id].inputs[0], rtol=0, atol=0
-        )
-
-
-def test_capture_is_in_ascending_layer_order(pp_group):
-    model = make_model(6)
-    model.aux_hidden_state_layers = (4, 1, 3)
-    _, aux = run(model)
-    for state, layer_id in zip(aux, (1, 3, 4), strict=True):
-        torch.testing.assert_close(
-            state, model.layers[layer_id].inputs[0], rtol=0, atol=0
-        )
+        same(state, model.layers[layer_id].inputs[0])
 
 
 def test_capture_layer_zero_is_embedding(pp_group):
     model = make_model(6)
-    input_ids = torch.tensor([3, 1, 4, 1, 5])
     model.aux_hidden_state_layers = (0, 2)
     _, aux = run(model)
     assert len(aux) == 2
-    torch.testing.assert_close(aux[0], model.embed_tokens(input_ids), rtol=0, atol=0)
-    torch.testing.assert_close(aux[1], model.layers[2].inputs[0], rtol=0, atol=0)
+    same(aux[0], model.embed_tokens(IDS))
+    same(aux[1], model.layers[2].inputs[0])
 
 
 def test_capture_final_layer_id_is_pre_norm_output(pp_group):
     model = make_model(6)
-    _, pre_norm = stock_forward(model, torch.tensor([3, 1, 4, 1, 5]), None)
+    _, pre_norm = stock_forward(model)
     model.aux_hidden_state_layers = (2, 6)
     hidden_states, aux = run(model)
     assert len(aux) == 2, "the final-layer id must not be dropped"
-    torch.testing.assert_close(aux[0], model.layers[2].inputs[0], rtol=0, atol=0)
-    torch.testing.assert_close(aux[1], pre_norm, rtol=0, atol=0)
-    normed, _ = AddNorm()(aux[1], torch.zeros_like(aux[1]))
-    torch.testing.assert_close(hidden_states, normed, rtol=0, atol=0)
+    same(aux[0], model.layers[2].inputs[0])
+    same(aux[1], pre_norm)
+    same(hidden_states, AddNorm()(aux[1], torch.zeros_like(aux[1]))[0])
 
 
 def test_capture_uses_global_layer_ids_on_later_stage(pp_group):
     """Layers 4..7 of 8 on the last stage: ids stay global, not stage-local."""
     pp_group(world_size=2, rank=1)
     model = make_model(8, 4, 8)
-    inputs = stage_input()
-    expected, pre_norm = stock_forward(model, None, None, inputs)
+    torch.manual_seed(1)
+    inputs = IntermediateTensors(
+        {"hidden_states": torch.randn(5, HIDDEN), "residual": torch.randn(5, HIDDEN)}
+    )
+    expected, pre_norm = stock_forward(model, inputs)
     # 1 belongs to the first stage; a stage-local numbering would wrongly
     # capture the input of global layer 5 for it and miss 6 and 8.
     model.aux_hidden_state_layers = (1, 6, 8)
     hidden_states, aux = run(model, inputs)
-    torch.testing.assert_close(hidden_states, expected, rtol=0, atol=0)
+    same(hidden_states, expected)
     assert len(aux) == 2
-    torch.testing.assert_close(aux[0], model.layers[6].inputs[0], rtol=0, atol=0)
-    torch.testing.assert_close(aux[1], pre_norm, rtol=0, atol=0)
-    torch.testing.assert_close(
-        model.layers[4].inputs[0],
-        inputs["hidden_states"] + inputs["residual"],
-        rtol=0,
-        atol=0,
-    )
+    same(aux[0], model.layers[6].inputs[0])
+    same(aux[1], pre_norm)
+    same(model.layers[4].inputs[0], inputs["hidden_states"] + inputs["residual"])
 
 
 def test_capture_default_layers_end_to_end(pp_group):
@@ -349,9 +267,7 @@ def test_capture_default_layers_end_to_end(pp_group):
     lm.set_aux_hidden_state_layers(layers)
     _, aux = run(model)
     for state, layer_id in zip(aux, layers, strict=True):
-        torch.testing.assert_close(
-            state, model.layers[layer_id].inputs[0], rtol=0, atol=0
-        )
+        same(state, model.layers[layer_id].inputs[0])
 
 
 def test_causal_lm_forward_passes_aux_states_through(pp_group):
@@ -359,7 +275,7 @@ def test_causal_lm_forward_passes_aux_states_through(pp_group):
     model.do_not_compile = True  # call the plain forward, no torch.compile
     lm = make_causal_lm(num_layers=6, model=model)
     lm.set_aux_hidden_state_layers((1, 6))
-    out = lm.forward(torch.tensor([3, 1, 4, 1, 5]), torch.arange(5))
+    out = lm.forward(IDS, torch.arange(5))
     assert isinstance(out, tuple)
     hidden_states, aux = out
     assert hidden_states.shape == (5, HIDDEN)
@@ -369,13 +285,11 @@ def test_causal_lm_forward_passes_aux_states_through(pp_group):
 def test_capture_traces_under_torch_compile(pp_group):
     """The capture must stay inside one dynamo graph (no graph breaks)."""
     model = make_model(4)
-    expected_hidden, pre_norm = stock_forward(
-        model, torch.tensor([3, 1, 4, 1, 5]), None
-    )
+    expected_hidden, pre_norm = stock_forward(model)
     model.aux_hidden_state_layers = (0, 2, 4)
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
-    hidden_states, aux = compiled(torch.tensor([3, 1, 4, 1, 5]), torch.arange(5), None)
-    torch.testing.assert_close(hidden_states, expected_hidden, rtol=0, atol=0)
+    hidden_states, aux = compiled(IDS, torch.arange(5), None)
+    same(hidden_states, expected_hidden)
     assert len(aux) == 3
-    torch.testing.assert_close(aux[2], pre_norm, rtol=0, atol=0)
+    same(aux[2], pre_norm)

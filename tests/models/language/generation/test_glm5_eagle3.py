@@ -2,11 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """EAGLE-3 on GLM-5 (GlmMoeDsaForCausalLM), from its published config.json.
 
-CPU-only: the model class comes from vLLM's registry for the real config
-(tests/transformers_utils/data/zai-org--GLM-5, 78 layers) and is built
-without running its __init__, so the aux-layer interface is checked on the
-class vLLM would serve GLM-5 with, at GLM-5's depth, with no weights or
-kernels.
+The class comes from vLLM's registry for the real 78-layer config and is
+built without its __init__: the aux-layer interface is checked on the class
+vLLM serves GLM-5 with, at GLM-5's depth, with no weights or kernels.
 """
 
 from __future__ import annotations
@@ -17,9 +15,7 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-GLM5 = (
-    Path(__file__).resolve().parents[3] / "transformers_utils" / "data" / "zai-org--GLM-5"
-)
+GLM5 = Path(__file__).resolve().parents[3] / "transformers_utils/data/zai-org--GLM-5"
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +36,11 @@ def glm5_cls(model_config):
 
 @pytest.fixture
 def glm5(glm5_cls, model_config, monkeypatch):
-    """A GlmMoeDsaForCausalLM with GLM-5's config on a single pipeline stage,
-    built without weights."""
+    """GlmMoeDsaForCausalLM with GLM-5's config on one pipeline stage."""
     from vllm.model_executor.models import deepseek_v2
 
-    monkeypatch.setattr(
-        deepseek_v2, "get_pp_group", lambda: SimpleNamespace(world_size=1)
-    )
+    group = SimpleNamespace(world_size=1)
+    monkeypatch.setattr(deepseek_v2, "get_pp_group", lambda: group)
     lm = object.__new__(glm5_cls)
     nn.Module.__init__(lm)
     lm.config = model_config.hf_config
@@ -55,13 +49,10 @@ def glm5(glm5_cls, model_config, monkeypatch):
 
 
 def test_registry_resolves_glm5_to_the_deepseek_v2_class(glm5_cls):
-    from vllm.model_executor.models.deepseek_v2 import (
-        DeepseekV2ForCausalLM,
-        GlmMoeDsaForCausalLM,
-    )
+    from vllm.model_executor.models import deepseek_v2
 
-    assert glm5_cls is GlmMoeDsaForCausalLM
-    assert issubclass(glm5_cls, DeepseekV2ForCausalLM)
+    assert glm5_cls is deepseek_v2.GlmMoeDsaForCausalLM
+    assert issubclass(glm5_cls, deepseek_v2.DeepseekV2ForCausalLM)
 
 
 def test_glm5_class_supports_eagle3(glm5_cls, glm5):
@@ -78,9 +69,7 @@ def test_default_aux_layers_at_78_layers(glm5):
     assert glm5.get_eagle3_aux_hidden_state_layers() == (2, 39, 75)
 
 
-@pytest.mark.parametrize(
-    "layers", [(2, 39, 75), [1, 38, 74], (0, 78), (78,)]
-)
+@pytest.mark.parametrize("layers", [(2, 39, 75), [1, 38, 74], (0, 78), (78,)])
 def test_set_aux_layers_accepts_ids_within_78_layers(glm5, layers):
     glm5.set_aux_hidden_state_layers(layers)
     assert glm5.model.aux_hidden_state_layers == tuple(layers)
