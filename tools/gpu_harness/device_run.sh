@@ -3,8 +3,8 @@
 # The whole GPU harness run on the lent device, from the repository root:
 #   bash tools/gpu_harness/device_run.sh [STAGE...]
 # Stages (default: ops e2e bench): setup always runs first.
-#   ops    CPU+CUDA tests of the torch ops (tests/e2e/gpu/test_harness_ops.py;
-#          OPS_K narrows them with pytest -k)
+#   ops    CPU+CUDA tests of the torch ops (tests/e2e/gpu/test_harness_ops.py
+#          and test_harness_dsa_ops.py; OPS_K narrows them with pytest -k)
 #   e2e    pytest -m gpu tests/e2e/gpu (results JSON under $OUT/results); if it
 #          fails inside torch.compile it is rerun once with TORCHDYNAMO_DISABLE=1
 #          (E2E_TESTS narrows it to some files, E2E_LIMIT_S its time limit)
@@ -55,7 +55,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv
 E2E_OK=1
 for s in $STAGES; do
   case $s in
-    ops) stage ops 150 "$OUT/setup.log" python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/gpu/test_harness_ops.py ${OPS_K:+-k "$OPS_K"} ;;
+    ops) stage ops ${OPS_LIMIT_S:-150} "$OUT/ops.log" python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/gpu/test_harness_ops.py tests/e2e/gpu/test_harness_dsa_ops.py ${OPS_K:+-k "$OPS_K"} ;;
     e2e)
       (( E2E_OK )) || continue
       stage e2e ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_acceptance.py}
@@ -91,6 +91,6 @@ for s in $STAGES; do
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
+for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
 exit 0

@@ -43,6 +43,13 @@ def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(scale)))
 
 
+def _div(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d rounded as the kernels' float division: torch on CUDA multiplies
+    by the reciprocal of a Python-number divisor, one ulp off (found on the
+    H200), so the divisor is a tensor."""
+    return x / torch.full_like(x, d)
+
+
 def _put_rows(target: torch.Tensor, index: tuple[torch.Tensor, ...], valid: torch.Tensor,
               rows: torch.Tensor) -> None:
     """In place: target[index[0][i], index[1][i], ...] = rows[i] where valid[i].
@@ -55,15 +62,16 @@ def _put_rows(target: torch.Tensor, index: tuple[torch.Tensor, ...], valid: torc
     if rows.shape[0] == 0:
         return
     any_valid = valid.any()
-    first = torch.argmax(valid.to(torch.int32))
+    # index_select, not [first]: a 0-dim tensor index is read on the host,
+    # which CUDA-graph capture refuses (found on the H200).
+    first = torch.argmax(valid.to(torch.int32)).reshape(1)
     idx = []
     for ix in index:
         ix = ix.to(torch.int64)
-        fb = torch.where(any_valid, ix[first], torch.zeros_like(ix[first]))
+        fb = torch.where(any_valid, ix.index_select(0, first)[0], 0)
         idx.append(torch.where(valid, ix, fb))
-    zero = torch.zeros((), dtype=torch.int64, device=target.device)
-    own = target[tuple(zero for _ in index)]
-    fb_row = torch.where(any_valid, rows[first], own)
+    own = target[(0,) * len(index)]
+    fb_row = torch.where(any_valid, rows.index_select(0, first)[0], own)
     shape = (-1,) + (1,) * (rows.dim() - 1)
     target.index_put_(tuple(idx), torch.where(valid.view(shape), rows, fb_row))
 
@@ -96,7 +104,7 @@ def per_token_group_fp8_quant(
         )
     x = input.float().reshape(-1, k // group_size, group_size)
     absmax = x.abs().amax(dim=-1).clamp_min(eps)
-    s = absmax / fp8_max
+    s = _div(absmax, fp8_max)
     if scale_ue8m0:
         s = _ue8m0(s.abs().clamp_min(1e-10))
     q = (x / s[..., None]).clamp(fp8_min, fp8_max)
@@ -150,7 +158,7 @@ def indexer_k_quant_and_cache(
     use_ue8m0 = kv_cache_dtype == "ue8m0"
     groups = head_dim // quant_block_size
     x = k.float().reshape(num_tokens, groups, quant_block_size)
-    s = x.abs().amax(dim=-1).clamp_min(1e-4) / FP8_MAX
+    s = _div(x.abs().amax(dim=-1).clamp_min(1e-4), FP8_MAX)
     if use_ue8m0:
         s = _ue8m0(s)
     q = _to_fp8(x / s[..., None]).reshape(num_tokens, head_dim).view(torch.uint8)
@@ -405,7 +413,7 @@ def concat_and_cache_mla(
         if kv_c.element_size() != 2 or k_pe.element_size() != 2:
             raise RuntimeError("kv_c and k_pe must be 16-bit for fp8_ds_mla")
         x = kv_c.float().reshape(t, 4, 128)
-        s = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(FLT_MIN)
+        s = _div(x.abs().amax(dim=-1), FP8_MAX).clamp_min(FLT_MIN)
         nope = _to_fp8(x / s[..., None]).reshape(t, 512).view(torch.uint8)
         rows = torch.cat([nope, s.contiguous().view(torch.uint8).reshape(t, 16),
                           k_pe.reshape(t, 64).contiguous().view(torch.uint8)], dim=1)
