@@ -1,19 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GLM-5 (glm_moe_dsa, GlmMoeDsaForCausalLM) with an EAGLE-3 drafter, as far
-as the v0.16.0 engine gets on CPU.
-
-The target is GLM-5's published config.json (78 layers; copied verbatim in
-tests/transformers_utils/data, provenance there). Everything up to the model's
-forward runs for real: the engine config (EngineArgs.create_engine_config:
-target config, registry, speculative config with the drafter), then what
-the model runner does at load time for EAGLE-3 (its choice of aux layers
-from the draft config, supports_eagle3, set_aux_hidden_state_layers) on the
-class the registry resolved, carrying GLM-5's config.
-
-The forward itself cannot run here: GLM-5's DSA sparse-attention indexer
-exists only in the MLA attention path, which the CPU platform refuses ("MLA
-is not supported on CPU"). The aux states of a GLM-5 forward are checked in
-the GPU suite (tests/e2e/gpu).
+"""GLM-5 (GlmMoeDsaForCausalLM, its published 78-layer config.json) with an
+EAGLE-3 drafter, as far as the v0.16.0 engine gets on CPU: the engine config
+and the runner's load-time aux-layer choice on the registry's class. The
+forward cannot run: GLM-5's DSA indexer exists only in the MLA path, which
+the CPU platform refuses; tests/e2e/gpu checks its aux states.
 """
 
 from __future__ import annotations
@@ -27,9 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-GLM5 = (
-    Path(__file__).resolve().parents[2] / "transformers_utils" / "data" / "zai-org--GLM-5"
-)
+GLM5 = Path(__file__).parents[2] / "transformers_utils" / "data" / "zai-org--GLM-5"
 GLM5_CONFIG = json.loads((GLM5 / "config.json").read_text())
 LAYERS = GLM5_CONFIG["num_hidden_layers"]
 # Drafters by the aux ids their config.json names (None: the field is absent).
@@ -40,30 +28,6 @@ DRAFT_IDS: dict[str, list[int] | None] = {
 }
 
 
-def _llama_drafter(path: Path, aux_ids: list[int] | None) -> str:
-    """An EAGLE-3 drafter config for GLM-5 (Llama-architecture head, the
-    common published kind): the target's hidden size and vocabulary."""
-    config: dict[str, Any] = dict(
-        architectures=["LlamaForCausalLMEagle3"],
-        model_type="llama",
-        hidden_size=GLM5_CONFIG["hidden_size"],
-        intermediate_size=16384,
-        num_hidden_layers=1,
-        num_attention_heads=48,
-        num_key_value_heads=8,
-        vocab_size=GLM5_CONFIG["vocab_size"],
-        draft_vocab_size=32000,
-        max_position_embeddings=GLM5_CONFIG["max_position_embeddings"],
-        rms_norm_eps=1e-5,
-        torch_dtype="bfloat16",
-    )
-    if aux_ids is not None:
-        config["eagle_aux_hidden_state_layer_ids"] = aux_ids
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def engine_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from vllm.engine.arg_utils import EngineArgs
@@ -71,17 +35,24 @@ def engine_configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("glm5_drafters")
     made = {}
     for name, ids in DRAFT_IDS.items():
-        args = EngineArgs(
-            model=str(GLM5),
-            skip_tokenizer_init=True,
-            max_model_len=4096,
-            speculative_config={
-                "method": "eagle3",
-                "model": _llama_drafter(root / name, ids),
-                "num_speculative_tokens": 3,
-            },
+        # A Llama-architecture EAGLE-3 head (the common published kind).
+        config: dict[str, Any] = dict(
+            architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+            hidden_size=GLM5_CONFIG["hidden_size"], intermediate_size=16384,
+            num_hidden_layers=1, num_attention_heads=48, num_key_value_heads=8,
+            vocab_size=GLM5_CONFIG["vocab_size"], draft_vocab_size=32000,
+            max_position_embeddings=GLM5_CONFIG["max_position_embeddings"],
+            rms_norm_eps=1e-5, torch_dtype="bfloat16",
         )
-        made[name] = args.create_engine_config()
+        if ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = ids
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        made[name] = EngineArgs(
+            model=str(GLM5), skip_tokenizer_init=True, max_model_len=4096,
+            speculative_config={"method": "eagle3", "model": str(root / name),
+                                "num_speculative_tokens": 3},
+        ).create_engine_config()
     return made
 
 
@@ -106,9 +77,9 @@ def test_engine_config_takes_glm5_with_an_eagle3_drafter(engine_configs):
     assert draft.eagle_aux_hidden_state_layer_ids == DRAFT_IDS["explicit"]
 
 
-def _load_time_aux_setup(vllm_config) -> tuple[Any, tuple[int, ...]]:
-    """What GPUModelRunner.load_model does for EAGLE-3 once the target is
-    built, on the registry's class carrying GLM-5's config (no weights)."""
+def _load_time_aux_layers(vllm_config) -> tuple[int, ...]:
+    """GPUModelRunner's load-time EAGLE-3 choice, on the registry's class
+    carrying GLM-5's config (no weights): the ids the model was given."""
     from torch import nn
 
     from vllm.model_executor.models import deepseek_v2
@@ -123,31 +94,25 @@ def _load_time_aux_setup(vllm_config) -> tuple[Any, tuple[int, ...]]:
     model.model = SimpleNamespace(aux_hidden_state_layers=())
     assert supports_eagle3(model)
     runner = SimpleNamespace(
-        speculative_config=vllm_config.speculative_config,
-        model_config=target,
+        speculative_config=vllm_config.speculative_config, model_config=target,
         model=model,
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(deepseek_v2, "get_pp_group", lambda: SimpleNamespace(world_size=1))
         GPUModelRunner._set_eagle3_aux_layers(runner)
-    return model, model.model.aux_hidden_state_layers
+    return model.model.aux_hidden_state_layers
 
 
-def test_load_time_uses_the_drafters_aux_ids(engine_configs):
-    model, aux_layers = _load_time_aux_setup(engine_configs["explicit"])
-    assert aux_layers == (1, 39, 78)
-    assert model.model.aux_hidden_state_layers == (1, 39, 78)
-
-
-def test_load_time_default_aux_ids_at_78_layers(engine_configs):
-    model, aux_layers = _load_time_aux_setup(engine_configs["default"])
-    assert aux_layers == (2, 39, 75)
-    assert model.model.aux_hidden_state_layers == (2, 39, 75)
+@pytest.mark.parametrize(
+    "drafter, expected", [("explicit", (1, 39, 78)), ("default", (2, 39, 75))]
+)
+def test_load_time_aux_ids_at_78_layers(engine_configs, drafter, expected):
+    assert _load_time_aux_layers(engine_configs[drafter]) == expected
 
 
 def test_load_time_refuses_an_aux_id_past_78_layers(engine_configs):
     with pytest.raises(ValueError) as exc_info:
-        _load_time_aux_setup(engine_configs["past_the_end"])
+        _load_time_aux_layers(engine_configs["past_the_end"])
     msg = str(exc_info.value)
     assert "invalid ids [79]" in msg
     assert "[0, 78]" in msg

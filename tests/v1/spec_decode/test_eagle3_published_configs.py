@@ -1,23 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Published EAGLE-3 drafter configs for DeepSeek and Kimi targets.
-
-The config.json files under published_configs/ are copied verbatim from the
-trainers' repositories (SpecForge, TorchSpec) and from a vendored copy of
-DeepSeek-R1-0528's config; PROVENANCE.md gives repository, path and commit
-for each. For every drafter this checks what vLLM makes of it: that
-SpeculativeConfig accepts it for its target, the drafter class it resolves
-to, its vocabulary, hidden size and aux-state count, and the target layer
-ids vLLM captures for it (and from which field).
-
-The ids are checked in vLLM's numbering, as vLLM reads them. Most of these
-trainers number layers by their output (a config id k is vLLM id k + 1):
-see the README's table and tools/eagle3_layers.py, which converts them.
-
-No verbatim Kimi-K2 or Kimi-K2.5 target config.json could be found in a
-citable source, so the Kimi drafters are paired with a Kimi-K2.5 target
-config written here with the published geometry (61 layers, hidden 7168,
-64 heads, MLA 512 + 64, vocabulary 163840) in vLLM's own KimiK25Config.
+"""Published EAGLE-3 drafter configs for DeepSeek and Kimi targets
+(published_configs/, verbatim; PROVENANCE.md gives repository, path and
+commit): what vLLM makes of each, i.e. that SpeculativeConfig accepts it, its
+drafter class, vocabulary, hidden size, and the aux ids vLLM captures (in
+vLLM's numbering) and from which field. No verbatim Kimi-K2/K2.5 target
+config.json could be found in a citable source, so the Kimi drafters get a
+KimiK25Config target written here with the published geometry.
 """
 
 from __future__ import annotations
@@ -36,33 +25,19 @@ DEEPSEEK_R1 = CONFIGS / "deepseek-r1-0528-target-ttmetal"
 NESTED = "eagle_config.eagle_aux_hidden_state_layer_ids"
 DEFAULT = "target default"
 
-# drafter: (target, class, draft vocab, hidden, aux count, ids vLLM uses, from)
+DS, KIMI = "deepseek", "kimi"
+LLAMA, MLA = "Eagle3LlamaForCausalLM", "Eagle3DeepseekV2ForCausalLM"
+# drafter: (target, class, draft vocab, ids vLLM uses, from). All have hidden
+# size 7168 and 3 aux states.
 EXPECTED = {
-    "specforge-deepseek-v3-671b-eagle3": (
-        "deepseek", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (1, 29, 57), NESTED
-    ),
-    "specforge-deepseek-v3-671b-eagle3-pr378": (
-        "deepseek", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (1, 29, 57), NESTED
-    ),
-    "specforge-deepseek-r1-671b-eagle3": (
-        "deepseek", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (1, 29, 57), NESTED
-    ),
-    "specforge-deepseek-r1-eagle3-mla": (
-        "deepseek", "Eagle3DeepseekV2ForCausalLM", 32000, 7168, 3, (2, 30, 58),
-        DEFAULT,
-    ),
-    "specforge-kimi-k2-eagle3": (
-        "kimi", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (2, 30, 58), NESTED
-    ),
-    "specforge-kimi-k25-eagle3": (
-        "kimi", "Eagle3LlamaForCausalLM", 32000, 7168, 3, (2, 30, 58), NESTED
-    ),
-    "torchspec-kimi-k25-eagle3": (
-        "kimi", "Eagle3LlamaForCausalLM", None, 7168, 3, (2, 30, 58), DEFAULT
-    ),
-    "torchspec-kimi-k25-eagle3-mla": (
-        "kimi", "Eagle3DeepseekV2ForCausalLM", 163840, 7168, 3, (1, 29, 57), NESTED
-    ),
+    "specforge-deepseek-v3-671b-eagle3": (DS, LLAMA, 32000, (1, 29, 57), NESTED),
+    "specforge-deepseek-v3-671b-eagle3-pr378": (DS, LLAMA, 32000, (1, 29, 57), NESTED),
+    "specforge-deepseek-r1-671b-eagle3": (DS, LLAMA, 32000, (1, 29, 57), NESTED),
+    "specforge-deepseek-r1-eagle3-mla": (DS, MLA, 32000, (2, 30, 58), DEFAULT),
+    "specforge-kimi-k2-eagle3": (KIMI, LLAMA, 32000, (2, 30, 58), NESTED),
+    "specforge-kimi-k25-eagle3": (KIMI, LLAMA, 32000, (2, 30, 58), NESTED),
+    "torchspec-kimi-k25-eagle3": (KIMI, LLAMA, None, (2, 30, 58), DEFAULT),
+    "torchspec-kimi-k25-eagle3-mla": (KIMI, MLA, 163840, (1, 29, 57), NESTED),
 }
 
 
@@ -83,16 +58,10 @@ def targets(tmp_path_factory) -> dict[str, ModelConfig]:
         text[field] = mla_drafter[field]
     text.update(n_routed_experts=384, n_group=1, topk_group=1)
     kimi = tmp_path_factory.mktemp("kimi_k25_target")
-    (kimi / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["KimiK25ForConditionalGeneration"],
-                "model_type": "kimi_k25",
-                "media_placeholder_token_id": 163605,
-                "text_config": text,
-            }
-        )
-    )
+    (kimi / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "media_placeholder_token_id": 163605, "text_config": text,
+    }))
     return {
         name: ModelConfig(
             model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
@@ -112,20 +81,17 @@ def test_the_deepseek_target_is_the_published_file(targets):
 
 @pytest.mark.parametrize("drafter", sorted(EXPECTED))
 def test_published_drafter(targets, drafter):
-    target, cls_name, draft_vocab, hidden, n_aux, ids, source = EXPECTED[drafter]
+    target, cls_name, draft_vocab, ids, source = EXPECTED[drafter]
     spec = SpeculativeConfig(
-        method="eagle3",
-        model=str(CONFIGS / drafter),
-        num_speculative_tokens=3,
-        target_model_config=targets[target],
-        target_parallel_config=ParallelConfig(),
+        method="eagle3", model=str(CONFIGS / drafter), num_speculative_tokens=3,
+        target_model_config=targets[target], target_parallel_config=ParallelConfig(),
     )
     draft = spec.draft_model_config
     cls, _ = ModelRegistry.resolve_model_cls(draft.architectures, draft)
     assert cls.__name__ == cls_name
     hf = draft.hf_config
     assert getattr(hf, "draft_vocab_size", None) == draft_vocab
-    assert hf.hidden_size == hidden == targets[target].get_hidden_size()
+    assert hf.hidden_size == 7168 == targets[target].get_hidden_size()
 
     found = get_eagle3_aux_layer_ids(hf)
     if source == DEFAULT:
@@ -136,7 +102,7 @@ def test_published_drafter(targets, drafter):
         used, field = found
         assert field == source
     assert used == ids
-    assert len(used) == n_aux
+    assert len(used) == 3
 
 
 def test_eagle31_flags_survive_vllm_config_loading():

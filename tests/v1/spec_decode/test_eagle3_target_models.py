@@ -1,11 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Which target model types SpeculativeConfig accepts for method "eagle3".
-
-Most cases call the real validator (SpeculativeConfig._verify_args) on a
-config object whose target model config is a small stand-in, so every model
-type can be checked without loading a checkpoint; one case builds a full
-SpeculativeConfig from tiny local config files.
+"""Which target model types SpeculativeConfig accepts for method "eagle3":
+the real validator (_verify_args) on stand-in target configs, and one full
+SpeculativeConfig from tiny config files.
 """
 
 from __future__ import annotations
@@ -14,36 +11,20 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm.config import ModelConfig, ParallelConfig
 from vllm.config.speculative import SpeculativeConfig
 
 FAMILY = [
-    "deepseek_v2",
-    "deepseek_v3",
-    "deepseek_v32",
-    "kimi_k2",
-    "kimi_k25",
-    "glm_moe_dsa",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "glm_moe_dsa"
 ]
-# Model types that were rejected before and must stay rejected, including
-# look-alikes of the family that a substring match would let through.
+# Rejected before and still: including look-alikes a substring match would pass.
 REJECTED = [
-    "mistral",
-    "gemma",
-    "gemma3",
-    "deepseek_vl_v2",
-    "deepseek",
-    "deepseek_v3_vl",
-    "deepseek_v4",
-    "kimi_vl",
-    "kimi_linear",
-    "glm4_moe",
-    "glm_moe_dsa_v2",
-    "mixtral",
+    "mistral", "gemma", "gemma3", "deepseek_vl_v2", "deepseek", "deepseek_v3_vl",
+    "deepseek_v4", "kimi_vl", "kimi_linear", "glm4_moe", "glm_moe_dsa_v2", "mixtral",
 ]
 
 
 def verify(model_type: str, top_level_model_type: str | None = None):
-    """Run the real _verify_args for method eagle3 and the given target."""
     return verify_target(
         SimpleNamespace(model_type=model_type),
         SimpleNamespace(model_type=top_level_model_type or model_type),
@@ -51,13 +32,11 @@ def verify(model_type: str, top_level_model_type: str | None = None):
 
 
 def verify_target(hf_text_config, hf_config):
+    """The real _verify_args for method eagle3 and the given target."""
     config = object.__new__(SpeculativeConfig)
     fields = {
-        "tensor_parallel_size": None,
-        "num_speculative_tokens": 3,
-        "draft_model_config": None,
-        "disable_by_batch_size": None,
-        "method": "eagle3",
+        "tensor_parallel_size": None, "num_speculative_tokens": 3,
+        "draft_model_config": None, "disable_by_batch_size": None, "method": "eagle3",
         "target_model_config": SimpleNamespace(
             hf_text_config=hf_text_config, hf_config=hf_config
         ),
@@ -67,14 +46,14 @@ def verify_target(hf_text_config, hf_config):
     return config._verify_args()
 
 
-@pytest.mark.parametrize("model_type", FAMILY)
-def test_eagle3_accepts_deepseek_family(model_type):
-    assert verify(model_type).method == "eagle3"
-
-
-def test_eagle3_accepts_kimi_k25_wrapper():
-    # Kimi-K2.5's text config is a DeepseekV3Config; the wrapper is kimi_k25.
-    assert verify("deepseek_v3", top_level_model_type="kimi_k25").method == "eagle3"
+# Kimi-K2.5: its text config is a DeepseekV3Config; the wrapper is kimi_k25.
+@pytest.mark.parametrize(
+    "model_type, top_level",
+    [(t, None) for t in FAMILY] + [("deepseek_v3", "kimi_k25")],
+    ids=FAMILY + ["kimi_k25_wrapper"],
+)
+def test_eagle3_accepts_deepseek_family(model_type, top_level):
+    assert verify(model_type, top_level).method == "eagle3"
 
 
 @pytest.mark.regression
@@ -114,44 +93,31 @@ def test_eagle3_family_member_inside_rejected_wrapper_is_not_enough():
 
 @pytest.mark.regression
 def test_eagle3_rejects_deepseek_vl2_whose_text_config_is_deepseek_v2():
-    # vLLM's own DeepSeek-VL2 config: its text config is a deepseek_v2 one, so
-    # matching the text model type would let it through, and the user would
-    # fail later, at model load (DeepseekVLV2ForCausalLM has no aux capture).
+    # Matching the text model type would let DeepSeek-VL2 through, to fail
+    # later at model load (DeepseekVLV2ForCausalLM has no aux capture).
     from vllm.transformers_utils.config import get_hf_text_config
     from vllm.transformers_utils.configs.deepseek_vl2 import DeepseekVLV2Config
 
     hf_config = DeepseekVLV2Config()
     text_config = get_hf_text_config(hf_config)
-    assert (hf_config.model_type, text_config.model_type) == (
-        "deepseek_vl_v2",
-        "deepseek_v2",
-    )
+    assert hf_config.model_type == "deepseek_vl_v2"
+    assert text_config.model_type == "deepseek_v2"
     with pytest.raises(ValueError, match="Eagle3 is only supported for"):
         verify_target(text_config, hf_config)
 
 
-# ------------------------------------------------- full SpeculativeConfig
-
-
 def test_speculative_config_accepts_deepseek_v3_target(tiny_config):
-    from vllm.config import ModelConfig, ParallelConfig
-
     target = tiny_config("deepseek_v3", "target", num_hidden_layers=4)
-    draft = tiny_config("llama_eagle3", "draft", eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+    ids = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+    draft = tiny_config("llama_eagle3", "draft", **ids)
     target_config = ModelConfig(
         model=target, tokenizer=target, skip_tokenizer_init=True, dtype="bfloat16"
     )
     assert target_config.hf_text_config.model_type == "deepseek_v3"
     config = SpeculativeConfig(
-        method="eagle3",
-        model=draft,
-        num_speculative_tokens=2,
-        target_model_config=target_config,
-        target_parallel_config=ParallelConfig(),
+        method="eagle3", model=draft, num_speculative_tokens=2,
+        target_model_config=target_config, target_parallel_config=ParallelConfig(),
     )
     assert config.method == "eagle3"
-    assert config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids == [
-        1,
-        2,
-        3,
-    ]
+    hf = config.draft_model_config.hf_config
+    assert hf.eagle_aux_hidden_state_layer_ids == [1, 2, 3]

@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""EagleProposer.load_model resolves a Kimi-K2.5 target's image token.
-
-For multimodal targets outside its short list of special cases the proposer
-copies target_model.config.image_token_index into the drafter's config. The
-real load_model runs here with the drafter loader and the layer lookups
-stubbed out, against a KimiK25ForConditionalGeneration built without its
-vision tower.
+"""EagleProposer.load_model resolves a Kimi-K2.5 target's image token (it
+copies target_model.config.image_token_index into the drafter's config for
+multimodal targets outside its special cases). The real load_model runs with
+the drafter loader and layer lookups stubbed, on a target without vision tower.
 """
 
 from __future__ import annotations
@@ -34,20 +31,20 @@ class TextModelStub(nn.Module):
         return self.model.embed_tokens(input_ids)
 
 
-def make_target(config: KimiK25Config) -> KimiK25ForConditionalGeneration:
+@pytest.mark.parametrize(
+    "config_kwargs, token",
+    [({}, 163605), ({"media_placeholder_token_id": 170000}, 170000)],
+)
+def test_kimi_k25_target_image_token(monkeypatch, config_kwargs, token):
     target = object.__new__(KimiK25ForConditionalGeneration)
     nn.Module.__init__(target)
-    target.config = config
+    target.config = KimiK25Config(**config_kwargs)
     target.language_model = TextModelStub()
-    return target
 
-
-def load_drafter(monkeypatch: pytest.MonkeyPatch, target: nn.Module):
     monkeypatch.setattr(eagle, "get_layers_from_vllm_config", lambda *a, **k: {})
     drafter = nn.Module()
     drafter.config = SimpleNamespace()
     shared: list[nn.Module] = []
-
     proposer = object.__new__(EagleProposer)
     proposer.vllm_config = None
     proposer.supports_mm_inputs = False
@@ -55,20 +52,8 @@ def load_drafter(monkeypatch: pytest.MonkeyPatch, target: nn.Module):
     proposer._get_model = lambda: drafter
     proposer._maybe_share_embeddings = shared.append
     proposer._maybe_share_lm_head = shared.append
-
     proposer.load_model(target)
-    return proposer, shared
 
-
-def test_kimi_k25_target_image_token_default(monkeypatch):
-    target = make_target(KimiK25Config())
-    proposer, shared = load_drafter(monkeypatch, target)
-    assert proposer.model.config.image_token_index == 163605
+    assert proposer.model.config.image_token_index == token
     # The proposer went on to share weights with Kimi's text model.
     assert shared == [target.language_model, target.language_model]
-
-
-def test_kimi_k25_target_image_token_follows_checkpoint(monkeypatch):
-    target = make_target(KimiK25Config(media_placeholder_token_id=170000))
-    proposer, _ = load_drafter(monkeypatch, target)
-    assert proposer.model.config.image_token_index == 170000
