@@ -1,27 +1,19 @@
-"""Shared pieces of the stack's tools: the pin file, the cache, the series.
-
-Every tool reads the pin through :func:`load_pin`; nothing else in the
-repository repeats artifact names or digests.
-"""
+"""What every tool shares: the one pin file, the download cache, the series."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import sys
 import tomllib
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PIN = REPO_ROOT / "pin.toml"
 PATCHES_DIR = REPO_ROOT / "patches"
 SERIES_FILE = PATCHES_DIR / "series"
-
-# The identity that owns commits the tools make themselves (the base commit of
-# an imported tree). Fixed so that an import is reproducible.
-TOOL_IDENT = ("vLLM EAGLE-3 Stack", "eagle3-stack@users.noreply.github.com")
-BASE_DATE = "2026-01-01T00:00:00+00:00"
 
 
 class StackError(Exception):
@@ -47,64 +39,50 @@ class Pin:
     cpu_env: dict[str, str]
 
     def artifact(self, key: str) -> Artifact:
-        try:
-            return self.artifacts[key]
-        except KeyError:
-            known = ", ".join(sorted(self.artifacts))
-            raise StackError(
-                f"{self.path} pins no artifact {key!r} (pinned: {known})"
-            ) from None
+        if key not in self.artifacts:
+            raise StackError(f"{self.path} pins no artifact {key!r} "
+                             f"(pinned: {', '.join(sorted(self.artifacts))})")
+        return self.artifacts[key]
 
 
 def load_pin(path: Path | None = None) -> Pin:
-    path = path or Path(os.environ.get("VLLM_EAGLE3_PIN", DEFAULT_PIN))
+    path = path or Path(os.environ.get("VLLM_EAGLE3_PIN", REPO_ROOT / "pin.toml"))
     try:
         data = tomllib.loads(path.read_text())
+        up = data["upstream"]
+        return Pin(path, up["project"], up["version"], up["tag"],
+                   {k: Artifact(k, a["project"], a["filename"], a["sha256"].lower())
+                    for k, a in data["artifacts"].items()},
+                   data.get("build", {}).get("local_label", "stack"),
+                   dict(data.get("cpu_env", {})))
     except FileNotFoundError:
         raise StackError(f"pin file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise StackError(f"pin file {path} is not valid TOML: {e}") from None
-    try:
-        up = data["upstream"]
-        artifacts = {
-            key: Artifact(key, a["project"], a["filename"], a["sha256"].lower())
-            for key, a in data["artifacts"].items()
-        }
-        return Pin(
-            path=path,
-            project=up["project"],
-            version=up["version"],
-            tag=up["tag"],
-            artifacts=artifacts,
-            local_label=data.get("build", {}).get("local_label", "stack"),
-            cpu_env=dict(data.get("cpu_env", {})),
-        )
     except KeyError as e:
         raise StackError(f"pin file {path} lacks the field {e}") from None
 
 
 def cache_dir() -> Path:
     """Where verified downloads live: per user, like pip's own cache."""
-    env = os.environ.get("VLLM_EAGLE3_CACHE")
-    if env:
+    if env := os.environ.get("VLLM_EAGLE3_CACHE"):
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "vllm-eagle3-stack"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() \
+        / "vllm-eagle3-stack"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def offline_default() -> bool:
+    return os.environ.get("VLLM_EAGLE3_OFFLINE", "") not in ("", "0")
+
+
+def sha256_file(path: Path) -> str:
     with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_series(series: Path = SERIES_FILE) -> list[str]:
-    """Patch names in apply order. Blank lines and ``#`` comments are skipped;
-    anything after the name on a line (quilt's per-patch options) is refused,
-    because the build applies every patch the same strict way."""
+    """Patch names in apply order. Quilt's per-patch options are refused:
+    the build applies every patch the same strict way."""
     if not series.exists():
         raise StackError(f"{series} does not exist (an empty series is an empty file)")
     names: list[str] = []
@@ -115,28 +93,31 @@ def read_series(series: Path = SERIES_FILE) -> list[str]:
         if len(line.split()) != 1:
             raise StackError(
                 f"{series}:{lineno}: {line!r} carries options; this stack applies "
-                "every patch with -p1 and no fuzz, so list the file name alone"
-            )
+                "every patch with -p1 and no fuzz, so list the file name alone")
         names.append(line)
     return names
 
 
+def series_patches(series: Path = SERIES_FILE) -> list[Path]:
+    """The series' patch files, in order; each must exist."""
+    paths = [series.parent / name for name in read_series(series)]
+    for p in paths:
+        if not p.exists():
+            raise StackError(f"{series} names {p.name}, which does not exist")
+    return paths
+
+
 def series_digest(series: Path = SERIES_FILE) -> str:
-    """A short digest over the series and its patches, in order: two different
-    stacks never get the same local version label."""
+    """Two different stacks never get the same local version label."""
     h = hashlib.sha256()
     for name in read_series(series):
-        h.update(name.encode() + b"\0")
-        h.update((series.parent / name).read_bytes())
-        h.update(b"\0")
+        h.update(name.encode() + b"\0" + (series.parent / name).read_bytes() + b"\0")
     return h.hexdigest()[:8]
 
 
 def junit_outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     """{test id: (passed | failed | skipped, first line of the failure)} from
-    pytest's own --junitxml file. An error in setup or teardown fails the test."""
-    import xml.etree.ElementTree as ET
-
+    pytest's --junitxml. An error in setup or teardown fails the test."""
     if not junit.exists():
         raise StackError(f"pytest wrote no {junit}: see its log")
     result: dict[str, tuple[str, str]] = {}
@@ -149,6 +130,18 @@ def junit_outcomes(junit: Path) -> dict[str, tuple[str, str]]:
         if result.get(key, ("",))[0] != "failed":  # a test and its teardown error share a key
             result[key] = (outcome, msg)
     return result
+
+
+def parser(tool: str, doc: str, offline: bool = False) -> argparse.ArgumentParser:
+    """``python -m tools.<tool>``'s parser: the docstring's first paragraph
+    describes it, the rest is the epilog."""
+    head, _, rest = doc.partition("\n\n")
+    ap = argparse.ArgumentParser(prog=f"python -m tools.{tool}", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if offline:
+        ap.add_argument("--offline", action="store_true", default=offline_default(),
+                        help="use the download cache only (also VLLM_EAGLE3_OFFLINE=1)")
+    return ap
 
 
 def say(tool: str, msg: str) -> None:

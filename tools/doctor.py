@@ -2,15 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Does the vLLM this Python imports carry the EAGLE-3 series? One line per patch.
 
-    python tools/doctor.py                       every patch: ok or MISSING
-    python tools/doctor.py --drafter DIR [--target DIR]
-                                                 and what vLLM will capture for
-                                                 that drafter (tools/eagle3_layers)
+    python tools/doctor.py [--drafter DIR [--target DIR]]
 
 Each check asks vLLM itself (its registry, SpeculativeConfig, config classes,
 interfaces) about the behaviour one patch adds; nothing is downloaded and no
-GPU is needed. Exit status: 0 when every patch is present, 1 otherwise, 2 when
-vLLM cannot be imported.
+GPU is needed. With --drafter it also prints what vLLM will capture for that
+drafter (tools/eagle3_layers.py show). Exit status: 0 when every patch is
+present, 1 otherwise, 2 when vLLM cannot be imported.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ def check(patch: str):
     def register(fn: Callable[[], str]) -> Callable[[], str]:
         CHECKS.append((patch, fn))
         return fn
-
     return register
 
 
@@ -40,14 +37,11 @@ def _speculative_config_accepts(model_type: str, top_level: str | None = None) -
     from vllm.config import SpeculativeConfig
 
     config = object.__new__(SpeculativeConfig)
-    target = SimpleNamespace(
-        hf_text_config=SimpleNamespace(model_type=model_type),
-        hf_config=SimpleNamespace(model_type=top_level or model_type),
-    )
-    for name, value in dict(
-        tensor_parallel_size=None, num_speculative_tokens=3, draft_model_config=None,
-        disable_by_batch_size=None, method="eagle3", target_model_config=target,
-    ).items():
+    target = SimpleNamespace(hf_text_config=SimpleNamespace(model_type=model_type),
+                             hf_config=SimpleNamespace(model_type=top_level or model_type))
+    for name, value in dict(tensor_parallel_size=None, num_speculative_tokens=3,
+                            draft_model_config=None, disable_by_batch_size=None,
+                            method="eagle3", target_model_config=target).items():
         object.__setattr__(config, name, value)
     try:
         config._verify_args()
@@ -68,7 +62,6 @@ def _resolve(arch: str) -> type:
 @check("Spec-Decode-Read-EAGLE-3-aux-layer-ids-from-eagle_co")
 def nested_ids() -> str:
     from transformers import LlamaConfig
-
     from vllm.config.speculative import get_eagle3_aux_layer_ids
 
     config = LlamaConfig(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]})
@@ -145,7 +138,6 @@ def mla_drafter() -> str:
 @check("Spec-Decode-Keep-DeepSeek-type-EAGLE-3-drafters-out-")
 def not_mtp() -> str:
     from transformers import DeepseekV3Config
-
     from vllm.config import SpeculativeConfig
 
     config = DeepseekV3Config(architectures=["DeepseekV3ForCausalLMEagle3"])
@@ -170,8 +162,7 @@ def kimi_k2_config() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(
             {"model_type": "kimi_k2", "architectures": ["Eagle3DeepseekV2ForCausalLM"],
-             "kv_lora_rank": 512, "qk_rope_head_dim": 64}
-        ))
+             "kv_lora_rank": 512, "qk_rope_head_dim": 64}))
         config = get_config(tmp, trust_remote_code=False)
     return f"kimi_k2 without code loads as {type(config).__name__}"
 
@@ -204,7 +195,8 @@ def glm5_config() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python tools/doctor.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python tools/doctor.py",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", help="an EAGLE-3 drafter directory: report the ids vLLM uses")
     ap.add_argument("--target", help="the target model directory (for the default ids)")
     args = ap.parse_args(argv)
@@ -227,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from tools import eagle3_layers
 
-        eagle3_layers.main(["show", args.drafter] + (["--target", args.target] if args.target else []))
+        target = ["--target", args.target] if args.target else []
+        eagle3_layers.main(["show", args.drafter, *target])
     return 1 if missing else 0
 
 

@@ -5,30 +5,14 @@ layer-numbering conventions.
     python -m tools.eagle3_layers convert DRAFTER_DIR --from output-of-layer|input-of-layer
                                   [--ids K,K,K] [--target TARGET_DIR] [--out DIR]
 
-In vLLM an aux id k is the INPUT of target layer k (the residual stream
-before layer k; id 0 is the embedding output, id n = num_hidden_layers is the
-last layer's output before the final norm). SGLang, SpecForge and
-speculators' data generation number the same states by the layer whose
-OUTPUT they are: their id k is vLLM's id k + 1. A config written in their
-convention and served unchanged feeds the drafter states one layer early,
-and nothing fails.
-
-show     reads the drafter's config the way vLLM does (get_config: a
-         speculators-format config is converted as vLLM converts it) and prints
-         the ids vLLM will capture, as inputs and as outputs of layers, and
-         where they come from: top-level eagle_aux_hidden_state_layer_ids,
-         the nested eagle_config.eagle_aux_hidden_state_layer_ids, or, when
-         neither is set, the target's default (2, n//2, n-3) (--target gives
-         n). Needs the EAGLE-3 series' vLLM (get_eagle3_aux_layer_ids).
-convert  rewrites config.json so vLLM reads the ids the drafter was trained on.
-         It never guesses the convention: --from says how the config's ids
-         (or --ids, for a config that has none) count. The vLLM ids are
-         written top-level and into eagle_config (where it already holds ids),
-         so both agree. In place, the original is kept as config.json.orig
-         (refused if that exists, so a config cannot be shifted twice); with
-         --out, the directory is copied (weights hard-linked where possible)
-         and the copy's config.json rewritten. With --target, ids outside
-         [0, n] are refused.
+In vLLM an aux id k is the INPUT of target layer k; SGLang, SpecForge and
+speculators' data generation count the OUTPUT of layer k, which is vLLM's id
+k + 1. A config in their convention served unchanged feeds the drafter states
+one layer early, and nothing fails (README.md, "Which target layers a drafter
+gets"). ``show`` asks the installed vLLM what it will capture; ``convert``
+never guesses the convention (--from) and writes the vLLM ids top-level and
+into eagle_config where it holds ids, keeping config.json.orig (in place) or
+the source directory (--out).
 """
 
 from __future__ import annotations
@@ -43,21 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tools._common import REPO_ROOT, StackError, run_main
+from tools._common import REPO_ROOT, StackError, parser, run_main
 
 TOOL = "eagle3-layers"
 TOP = "eagle_aux_hidden_state_layer_ids"
 NESTED = "eagle_config.eagle_aux_hidden_state_layer_ids"
-SOURCE_WORDS = {
-    TOP: "top-level eagle_aux_hidden_state_layer_ids",
-    NESTED: "nested eagle_config.eagle_aux_hidden_state_layer_ids",
-}
-CONVENTIONS = ("output-of-layer", "input-of-layer")
-
-
-# ---------------------------------------------------------------------------
-# Reading configs
-# ---------------------------------------------------------------------------
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -76,32 +50,23 @@ def target_num_layers(target_dir: Path) -> int:
     """num_hidden_layers of the target's text model (top level, or text_config
     for multimodal wrappers such as Kimi-K2.5)."""
     cfg = _read_json(Path(target_dir) / "config.json")
-    for holder, where in ((cfg, "config.json"), (cfg.get("text_config"), "text_config")):
+    for holder in (cfg, cfg.get("text_config")):
         if isinstance(holder, dict) and isinstance(holder.get("num_hidden_layers"), int):
             return int(holder["num_hidden_layers"])
     raise StackError(
         f"{target_dir}/config.json has no integer num_hidden_layers (top level or "
-        "text_config): is --target the target model's checkpoint directory?"
-    )
-
-
-def _as_ids(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(k, int) and not isinstance(k, bool) for k in value
-    ):
-        raise StackError(f"{where} must be a list of integers, got {value!r}")
-    return tuple(value)
+        "text_config): is --target the target model's checkpoint directory?")
 
 
 def raw_ids(cfg: dict[str, Any], config_path: Path) -> dict[str, tuple[int, ...]]:
     """The ids config.json holds, by place (only the places that are set)."""
-    found: dict[str, tuple[int, ...]] = {}
-    if cfg.get(TOP) is not None:
-        found[TOP] = _as_ids(cfg[TOP], f"{config_path}: {TOP}")
     nested = cfg.get("eagle_config")
-    if isinstance(nested, dict) and nested.get(TOP) is not None:
-        found[NESTED] = _as_ids(nested[TOP], f"{config_path}: {NESTED}")
-    return found
+    found = {TOP: cfg.get(TOP), NESTED: nested.get(TOP) if isinstance(nested, dict) else None}
+    for where, value in found.items():
+        if value is not None and not (isinstance(value, list) and all(
+                isinstance(k, int) and not isinstance(k, bool) for k in value)):
+            raise StackError(f"{config_path}: {where} must be a list of integers, got {value!r}")
+    return {where: tuple(value) for where, value in found.items() if value is not None}
 
 
 def _series_reader() -> Any:
@@ -113,25 +78,16 @@ def _series_reader() -> Any:
     except ImportError:
         try:
             import vllm
-
-            version = getattr(vllm, "__version__", "?")
         except ImportError:
             raise StackError(
                 "vLLM is not installed in this interpreter: run the tool with the "
-                "Python of the environment that serves the drafter"
-            ) from None
+                "Python of the environment that serves the drafter") from None
         raise StackError(
-            f"the installed vLLM ({version}) has no get_eagle3_aux_layer_ids: it is stock "
-            "vLLM or a build from before the EAGLE-3 series read nested ids, so this tool "
-            "cannot say what it captures. Install the current series' wheel (./build.sh) "
-            "and run show again"
-        ) from None
+            f"the installed vLLM ({getattr(vllm, '__version__', '?')}) has no "
+            "get_eagle3_aux_layer_ids: it is stock vLLM or a build from before the EAGLE-3 "
+            "series read nested ids, so this tool cannot say what it captures. Install the "
+            "current series' wheel (./build.sh) and run show again") from None
     return get_eagle3_aux_layer_ids
-
-
-# ---------------------------------------------------------------------------
-# show
-# ---------------------------------------------------------------------------
 
 
 def describe(ids: Sequence[int], n: int | None) -> list[str]:
@@ -140,15 +96,14 @@ def describe(ids: Sequence[int], n: int | None) -> list[str]:
     lines = []
     for k in ids:
         if k == 0:
-            as_input = "input of layer 0 (the embedding output)"
-            as_output = "no layer's output (the embedding output)"
-        elif n is not None and k == n:
-            as_input = f"the final norm's input (no layer {k})"
-            as_output = f"output of layer {k - 1}, the last layer"
+            pair = ("input of layer 0 (the embedding output)",
+                    "no layer's output (the embedding output)")
+        elif k == n:
+            pair = (f"the final norm's input (no layer {k})",
+                    f"output of layer {k - 1}, the last layer")
         else:
-            as_input = f"input of layer {k}"
-            as_output = f"output of layer {k - 1}"
-        lines.append(f"  id {k:>3}: {as_input} = {as_output}")
+            pair = (f"input of layer {k}", f"output of layer {k - 1}")
+        lines.append(f"  id {k:>3}: {pair[0]} = {pair[1]}")
     return lines
 
 
@@ -169,38 +124,29 @@ def show(drafter: Path, target: Path | None) -> list[str]:
     if n is not None:
         out.append(f"target: {target}, {n} layers: ids 0..{n} are valid "
                    f"(0 = embedding output, {n} = last layer's output before the final norm)")
-    if got is None:
-        if n is None:
-            out.append("aux ids: none in the drafter's config; vLLM uses the target model's "
-                       "default (2, n//2, n-3): pass --target to see it")
-            return out
+    if got is not None:
+        ids, key = tuple(got[0]), got[1]
+        source = ("nested " if key == NESTED else "top-level ") + key
+    elif n is None:
+        return out + ["aux ids: none in the drafter's config; vLLM uses the target model's "
+                      "default (2, n//2, n-3): pass --target to see it"]
+    else:
         ids = (2, n // 2, n - 3)
         source = f"target default (2, n//2, n-3) with n = {n}: neither {TOP} nor {NESTED} is set"
-    else:
-        ids, key = tuple(got[0]), got[1]
-        source = SOURCE_WORDS.get(key, key)
     out.append(f"aux ids: {list(ids)}  (source: {source})")
     out.append("vLLM captures: " + ", ".join(
-        "the final norm's input" if n is not None and k == n else f"input of layer {k}"
-        for k in ids))
+        "the final norm's input" if k == n else f"input of layer {k}" for k in ids))
     out.append("  equivalently: " + ", ".join(
         "the embedding output" if k == 0 else f"output of layer {k - 1}" for k in ids))
     out.extend(describe(ids, n))
-    if n is not None:
-        bad = [k for k in ids if not 0 <= k <= n]
-        if bad:
-            out.append(f"ids {bad} are outside [0, {n}]: the engine refuses them at start")
+    if n is not None and (bad := [k for k in ids if not 0 <= k <= n]):
+        out.append(f"ids {bad} are outside [0, {n}]: the engine refuses them at start")
     if list(ids) != sorted(set(ids)):
         out.append(f"ids {list(ids)} are not strictly ascending: the engine refuses them at "
                    "start (the states come back in layer order, so fc would get them permuted)")
     out.append("A drafter trained on the output of layer k (SGLang, SpecForge, speculators "
                "data generation) needs vLLM id k + 1: see `convert --from output-of-layer`.")
     return out
-
-
-# ---------------------------------------------------------------------------
-# convert
-# ---------------------------------------------------------------------------
 
 
 def _parse_ids(text: str) -> tuple[int, ...]:
@@ -213,42 +159,31 @@ def _parse_ids(text: str) -> tuple[int, ...]:
     return ids
 
 
-def converted_ids(
-    config_ids: dict[str, tuple[int, ...]],
-    given: tuple[int, ...] | None,
-    convention: str,
-    n: int | None,
-    where: Path,
-) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+def converted_ids(config_ids: dict[str, tuple[int, ...]], given: tuple[int, ...] | None,
+                  convention: str, n: int | None,
+                  where: Path) -> tuple[tuple[int, ...], tuple[int, ...], str]:
     """(ids as trained, vLLM ids, where the trained ids came from)."""
-    if convention not in CONVENTIONS:
-        raise StackError(f"--from must be one of {', '.join(CONVENTIONS)}, got {convention!r}")
     values = set(config_ids.values())
     if len(values) > 1:
         raise StackError(
             f"{where} holds two different id lists, {TOP}={list(config_ids[TOP])} and "
             f"{NESTED}={list(config_ids[NESTED])}: find out which one the drafter was trained "
-            "with, delete the other, and convert again"
-        )
-    if given is not None and config_ids:
-        (have,) = values
-        if have != given:
-            raise StackError(
-                f"--ids {','.join(map(str, given))} contradicts {where}, which holds "
-                f"{list(have)} ({' and '.join(config_ids)}): drop --ids, or fix the config"
-            )
+            "with, delete the other, and convert again")
+    have = next(iter(values), None)
+    if given is not None and have is not None and have != given:
+        raise StackError(
+            f"--ids {','.join(map(str, given))} contradicts {where}, which holds "
+            f"{list(have)} ({' and '.join(config_ids)}): drop --ids, or fix the config")
     if given is not None:
         trained, origin = given, "--ids"
-    elif config_ids:
-        (trained,) = values
-        origin = " and ".join(config_ids)
+    elif have is not None:
+        trained, origin = have, " and ".join(config_ids)
     else:
         raise StackError(
             f"{where} sets neither {TOP} nor {NESTED}: nothing to convert. Pass the layer ids "
             "the drafter was trained on with --ids (for speculators' data generation: the "
             "--layer-ids it ran with, less the last one, which feeds the verifier's "
-            "logits, not the drafter)"
-        )
+            "logits, not the drafter)")
     if any(k < 0 for k in trained):
         raise StackError(f"negative layer id in {list(trained)} ({origin})")
     if len(set(trained)) != len(trained):
@@ -257,18 +192,14 @@ def converted_ids(
         raise StackError(
             f"the ids {list(trained)} ({origin}) are not ascending: vLLM returns the states in "
             "layer order, so the drafter's fc would get permuted features. Sorting them "
-            "would not help (fc was trained in this order); this drafter cannot be served as is"
-        )
+            "would not help (fc was trained in this order); this drafter cannot be served as is")
     shift = 1 if convention == "output-of-layer" else 0
     vllm_ids = tuple(k + shift for k in trained)
-    if n is not None:
-        bad = [k for k in vllm_ids if not 0 <= k <= n]
-        if bad:
-            raise StackError(
-                f"vLLM ids {list(vllm_ids)} (from {list(trained)} as {convention}) include "
-                f"{bad}, outside [0, {n}] for the {n}-layer target: is --from right, and is "
-                "--target the model the drafter was trained for?"
-            )
+    if n is not None and (bad := [k for k in vllm_ids if not 0 <= k <= n]):
+        raise StackError(
+            f"vLLM ids {list(vllm_ids)} (from {list(trained)} as {convention}) include "
+            f"{bad}, outside [0, {n}] for the {n}-layer target: is --from right, and is "
+            "--target the model the drafter was trained for?")
     return trained, vllm_ids, origin
 
 
@@ -293,36 +224,26 @@ def _link_or_copy(src: str, dst: str) -> str:
     return dst
 
 
-def convert(
-    drafter: Path,
-    convention: str,
-    *,
-    out: Path | None = None,
-    target: Path | None = None,
-    ids: tuple[int, ...] | None = None,
-) -> list[str]:
+def convert(drafter: Path, convention: str, *, out: Path | None = None,
+            target: Path | None = None, ids: tuple[int, ...] | None = None) -> list[str]:
     drafter = Path(drafter)
     config_path = drafter / "config.json"
     cfg = _read_json(config_path)
     n = target_num_layers(target) if target is not None else None
     trained, vllm_ids, origin = converted_ids(raw_ids(cfg, config_path), ids, convention, n,
                                               config_path)
-    new = dict(cfg)
-    new[TOP] = list(vllm_ids)
+    new = {**cfg, TOP: list(vllm_ids)}
     nested = cfg.get("eagle_config")
-    nested_too = isinstance(nested, dict) and TOP in nested
-    if nested_too:
+    if nested_too := isinstance(nested, dict) and TOP in nested:
         new["eagle_config"] = {**nested, TOP: list(vllm_ids)}
     if out is None:
         backup = drafter / "config.json.orig"
         if backup.exists():
             raise StackError(
                 f"{backup} exists: this drafter was converted before. Converting again would "
-                "shift the ids twice; restore config.json from it first if that is what you want"
-            )
+                "shift the ids twice; restore config.json from it first if that is what you want")
         shutil.copy2(config_path, backup)
-        dest = config_path
-        kept = f"original kept as {backup}"
+        dest, kept = config_path, f"original kept as {backup}"
     else:
         out = Path(out)
         if out.exists():
@@ -330,8 +251,7 @@ def convert(
         if out.resolve().is_relative_to(drafter.resolve()):
             raise StackError(f"--out {out} is inside the drafter directory {drafter}")
         shutil.copytree(drafter, out, copy_function=_link_or_copy, symlinks=True)
-        dest = out / "config.json"
-        kept = f"{drafter} unchanged"
+        dest, kept = out / "config.json", f"{drafter} unchanged"
     _write_json_atomic(dest, new)
     return [
         f"{dest}: {TOP} = {list(vllm_ids)}" + (" (and in eagle_config)" if nested_too else ""),
@@ -342,14 +262,8 @@ def convert(
     ]
 
 
-# ---------------------------------------------------------------------------
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    head, _, rest = (__doc__ or "").partition("\n\n")
-    ap = argparse.ArgumentParser(prog="python -m tools.eagle3_layers", description=head,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=rest)
+    ap = parser("eagle3_layers", __doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("show", help="print the target layers vLLM feeds the drafter")
     sp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR")
@@ -357,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the target checkpoint: gives n for the default ids and the range check")
     cp = sub.add_parser("convert", help="write the ids in vLLM's numbering into config.json")
     cp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR")
-    cp.add_argument("--from", dest="convention", required=True, choices=CONVENTIONS,
+    cp.add_argument("--from", dest="convention", required=True,
+                    choices=("output-of-layer", "input-of-layer"),
                     help="how the config's ids count: output-of-layer (SGLang, SpecForge, "
                          "speculators) or input-of-layer (vLLM)")
     cp.add_argument("--ids", type=_parse_ids, metavar="K,K,K",
@@ -367,12 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cp.add_argument("--out", type=Path, metavar="DIR",
                     help="write a converted copy here instead of converting in place")
     args = ap.parse_args(argv)
-    if args.cmd == "show":
-        lines = show(args.drafter, args.target)
-    else:
-        lines = convert(args.drafter, args.convention, out=args.out, target=args.target,
-                        ids=args.ids)
-    print("\n".join(lines))
+    print("\n".join(show(args.drafter, args.target) if args.cmd == "show" else
+                    convert(args.drafter, args.convention, out=args.out, target=args.target,
+                            ids=args.ids)))
     return 0
 
 

@@ -3,59 +3,51 @@
     python -m tools.export_series DIR [--check]
     python -m tools.export_series --for-upstream OUT
 
-Runs ``git format-patch`` with fixed options (no stat, no signature, zero
-commit hash, full index, myers diff, a/ b/ prefixes, 3 lines of context,
-whatever the user's git config says), names each file after its subject as
-format-patch does but without the ``NNNN-`` number (the series file is the
-only order), and rewrites patches/series keeping its leading comments.
-Re-exporting an unchanged import reproduces every patch byte for byte;
-``--check`` proves that without writing anything.
+``git format-patch`` runs with fixed options, whatever the user's git config
+says; a file is named after its subject without format-patch's ``NNNN-`` (the
+series file is the only order), and patches/series keeps its leading
+comments. Re-exporting an unchanged import reproduces every patch byte for
+byte; ``--check`` proves that without writing anything.
 
-``--for-upstream OUT`` writes, from patches/ (left unchanged), the mails to
-send upstream: ``From:`` and the author's ``Signed-off-by:`` become yours
-(``git config user.name`` / ``user.email``), the trailers that mean
-something to this stack only (``Upstream-Status:``) are dropped, every other
-byte is kept. The files are numbered ``NNNN-<name>`` in series order, with a
-``series`` file. Apply them with ``git am --keep-non-patch OUT/*.patch``: a
-plain ``git am`` strips the ``[Tag]`` that starts vLLM's subjects.
+``--for-upstream OUT`` writes the series' mails with you as From and signer
+and without ``Upstream-Status:``, numbered, for ``git am --keep-non-patch``
+(CONTRIBUTING.md, "Send a patch upstream").
 """
 
 from __future__ import annotations
 
-import argparse
 import email.utils
 import re
 import subprocess
 import tempfile
 from pathlib import Path
 
-from tools._common import PATCHES_DIR, StackError, read_series, run_main, say
+from tools._common import PATCHES_DIR, StackError, parser, read_series, run_main, say
 from tools.import_series import BASE_TAG, git
 from tools.lint_series import DOWNSTREAM_TRAILERS
 
 TOOL = "export"
-# tools.import_series.git() hides the user's and the system's git config, so
-# only the repository's own config could still change the output; pin what it
-# might set.
+# git() hides the user's and the system's git config; pin what the
+# repository's own config could still change.
 FORMAT_PATCH = [
     "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
     "-c", "format.numbered=false", "-c", "format.coverLetter=false",
     "-c", "format.suffix=.patch",
-    "format-patch", "--no-to", "--no-cc", "--no-thread", "--keep-subject", "--no-stat", "--no-signature", "--zero-commit",
-    "--full-index", "--find-renames", "--diff-algorithm=myers", "--no-color", "-U3",
-    "--src-prefix=a/", "--dst-prefix=b/", "--no-notes", "--no-base",
+    "format-patch", "--no-to", "--no-cc", "--no-thread", "--keep-subject", "--no-stat",
+    "--no-signature", "--zero-commit", "--full-index", "--find-renames",
+    "--diff-algorithm=myers", "--no-color", "-U3", "--src-prefix=a/", "--dst-prefix=b/",
+    "--no-notes", "--no-base",
 ]
 
 
 def export(repo: Path) -> dict[str, bytes]:
-    """Return {file name: bytes} for the commits in stack-base..HEAD, in order."""
+    """{file name: bytes} for the commits in stack-base..HEAD, in order."""
     if git(repo, "rev-parse", "-q", "--verify", f"refs/tags/{BASE_TAG}",
            check=False).returncode != 0:
         raise StackError(f"{repo} has no tag {BASE_TAG}: make it with tools.import_series")
     with tempfile.TemporaryDirectory() as tmp:
-        out = git(repo, *FORMAT_PATCH, "-o", tmp, f"{BASE_TAG}..HEAD").stdout.split()
         result: dict[str, bytes] = {}
-        for f in out:
+        for f in git(repo, *FORMAT_PATCH, "-o", tmp, f"{BASE_TAG}..HEAD").stdout.split():
             name = re.sub(r"^\d{4}-", "", Path(f).name)
             if name in result:
                 raise StackError(f"two commits would both export as {name}: "
@@ -65,18 +57,15 @@ def export(repo: Path) -> dict[str, bytes]:
 
 
 def sender() -> str:
-    """``Name <email>`` from the user's git config: a DCO sign-off certifies a
-    person's right to submit, so it cannot be the stack's project identity."""
-    found = []
-    for key in ("user.name", "user.email"):
-        proc = subprocess.run(["git", "config", key], capture_output=True, text=True)
-        found.append(proc.stdout.strip())
-    if not all(found):
+    """``Name <email>`` from the user's git config."""
+    name, mail = (subprocess.run(["git", "config", key], capture_output=True,
+                                 text=True).stdout.strip() for key in ("user.name", "user.email"))
+    if not (name and mail):
         raise StackError("git config user.name and user.email must name you, the sender "
                          "(the sign-off certifies your right to submit): `git config "
                          "--global user.name 'Your Name'`, `git config --global "
                          "user.email you@example.org`")
-    return email.utils.formataddr((found[0], found[1]))
+    return email.utils.formataddr((name, mail))
 
 
 def for_upstream(mail: str, me: str) -> str:
@@ -92,8 +81,7 @@ def for_upstream(mail: str, me: str) -> str:
             author += line  # a folded From header
             continue
         if line.startswith("From: "):
-            author = line[len("From: "):]
-            line = f"From: {me}"
+            author, line = line[len("From: "):], f"From: {me}"
         headers.append(line)
     author_addr = email.utils.parseaddr(author)[1].lower()
     cut = min((i for i in (rest.find("\n---\n"), rest.find("\ndiff --git ")) if i >= 0),
@@ -104,16 +92,13 @@ def for_upstream(mail: str, me: str) -> str:
     drop = {t.lower() for t in DOWNSTREAM_TRAILERS}
     kept = []
     for t in trailers.split("\n"):
-        key = t.split(":", 1)[0].strip().lower()
-        if key in drop:
-            continue
-        if key == "signed-off-by" and email.utils.parseaddr(t.split(":", 1)[1])[1].lower() \
-                == author_addr:
+        key, _, value = t.partition(":")
+        if key.strip().lower() in drop or (key.strip().lower() == "signed-off-by" and
+                                           email.utils.parseaddr(value)[1].lower() == author_addr):
             continue
         kept.append(t)
-    mine = f"Signed-off-by: {me}"
-    if mine not in kept:
-        kept.append(mine)
+    if f"Signed-off-by: {me}" not in kept:
+        kept.append(f"Signed-off-by: {me}")
     return "\n".join(headers) + sep + body + "\n\n" + "\n".join(kept) + tail + diff
 
 
@@ -136,19 +121,16 @@ def export_for_upstream(patches: Path, out: Path, me: str) -> list[Path]:
 
 def series_text(old: Path, names: list[str]) -> str:
     header: list[str] = []
-    if old.exists():
-        for line in old.read_text().splitlines():
-            if line.strip() and not line.startswith("#"):
-                break
-            header.append(line)
-    return "".join(f"{h}\n" for h in header) + "".join(f"{n}\n" for n in names)
+    for line in old.read_text().splitlines() if old.exists() else ():
+        if line.strip() and not line.startswith("#"):
+            break
+        header.append(line)
+    return "".join(f"{line}\n" for line in header + names)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.export_series",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", type=Path, nargs="?",
-                    help="repository made by tools.import_series")
+    ap = parser("export_series", __doc__)
+    ap.add_argument("dir", type=Path, nargs="?", help="repository made by tools.import_series")
     ap.add_argument("--patches", type=Path, default=PATCHES_DIR)
     ap.add_argument("--check", action="store_true",
                     help="write nothing; fail unless patches/ already matches")

@@ -12,26 +12,18 @@ them back with ``python -m tools.export_series DIR``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 from pathlib import Path
 
-from tools._common import (
-    BASE_DATE,
-    SERIES_FILE,
-    TOOL_IDENT,
-    StackError,
-    load_pin,
-    read_series,
-    run_main,
-    say,
-)
-from tools.fetch import ensure, offline_default
-from tools.source import unpack
+from tools._common import SERIES_FILE, StackError, load_pin, parser, run_main, say, series_patches
+from tools.source import unpack_sdist
 
 TOOL = "import"
 BASE_TAG = "stack-base"
+# Owner and date of the base commit: fixed, so that an import is reproducible.
+TOOL_IDENT = ("vLLM EAGLE-3 Stack", "eagle3-stack@users.noreply.github.com")
+BASE_DATE = "2026-01-01T00:00:00+00:00"
 
 
 def git(repo: Path, *args: str, env: dict[str, str] | None = None,
@@ -52,43 +44,36 @@ def git(repo: Path, *args: str, env: dict[str, str] | None = None,
 
 def make_base(repo: Path, *, offline: bool) -> None:
     pin = load_pin()
-    sdist = ensure(pin.artifact("sdist"), offline=offline)
-    n = unpack(sdist, repo, full=True)
-    fixed = {"GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE}
+    sdist = pin.artifact("sdist")
+    n = unpack_sdist(repo, offline=offline)
     git(repo, "init", "-q", "-b", "main")
     # -f: upstream's .gitignore ignores generated files the sdist ships
     # (vllm/_version.py); the base must be the sdist exactly.
     git(repo, "add", "-A", "-f")
-    git(repo, "commit", "-q", "-m", f"{pin.project} {pin.tag} (sdist {sdist.name}, "
-        f"sha256 {pin.artifact('sdist').sha256})", env=fixed)
+    git(repo, "commit", "-q", "-m", f"{pin.project} {pin.tag} (sdist {sdist.filename}, "
+        f"sha256 {sdist.sha256})",
+        env={"GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE})
     git(repo, "tag", BASE_TAG)
-    say(TOOL, f"{repo}: base commit of {n} files from {sdist.name}, tagged {BASE_TAG}")
+    say(TOOL, f"{repo}: base commit of {n} files from {sdist.filename}, tagged {BASE_TAG}")
 
 
 def am_series(repo: Path, series: Path) -> int:
-    names = read_series(series)
-    for name in names:
-        patch = (series.parent / name).resolve()
-        if not patch.exists():
-            raise StackError(f"{series} names {name}, which does not exist")
+    patches = series_patches(series)
+    for patch in patches:
         proc = git(repo, "am", "--keep-non-patch", "--committer-date-is-author-date",
-                   "--whitespace=nowarn", str(patch), check=False)
+                   "--whitespace=nowarn", str(patch.resolve()), check=False)
         if proc.returncode != 0:
             raise StackError(
-                f"git am stopped at {name}:\n{(proc.stdout + proc.stderr).strip()}\n"
-                f"{repo} is left mid-am: fix and `git am --continue` there, or "
-                "`git am --abort`."
-            )
-        say(TOOL, f"git am {name}")
-    return len(names)
+                f"git am stopped at {patch.name}:\n{(proc.stdout + proc.stderr).strip()}\n"
+                f"{repo} is left mid-am: fix and `git am --continue` there, or `git am --abort`.")
+        say(TOOL, f"git am {patch.name}")
+    return len(patches)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.import_series",
-                                 description=__doc__.split("\n\n")[0])
+    ap = parser("import_series", __doc__, offline=True)
     ap.add_argument("dir", type=Path, help="new directory for the git repository")
     ap.add_argument("--series", type=Path, default=SERIES_FILE)
-    ap.add_argument("--offline", action="store_true", default=offline_default())
     args = ap.parse_args()
     if args.dir.exists():
         raise StackError(f"{args.dir} exists; choose a new directory (nothing was changed)")

@@ -3,43 +3,30 @@ every patch is a git mail fit to send upstream.
 
     python -m tools.lint_series [--patches DIR]
 
-A patch must carry: the ``From <zero hash>`` mbox line and From/Date/Subject
-headers of ``git format-patch``; a subject in vLLM's style (``[Tag] Text``,
-at most 72 characters); a body saying why; a DCO ``Signed-off-by`` of its
-author; and exactly one ``Upstream-Status`` trailer in Yocto's vocabulary:
-
-    Pending                      not sent upstream yet
-    Submitted [<ref>]            sent upstream: the PR
-    Accepted                     merged upstream (prefer Backport [<ref>])
-    Backport [<ref>]             upstream's own change, carried here
-    Denied                       upstream refused it
-    Inappropriate [<reason>]     not meant for upstream, and why
-    Inactive-Upstream [...]      upstream is dead (bracket optional)
-
-<ref> is checkable: https://github.com/vllm-project/vllm/pull/<N> or
-https://github.com/vllm-project/vllm/commit/<7-40 hex digits> (several,
-comma-separated, are fine). A bare version such as ``v0.18.0`` is not a
-reference: nobody can check what it claims.
+A patch must carry the ``From <zero hash>`` mbox line and From/Date/Subject
+headers of ``git format-patch``, a subject in vLLM's style (``[Tag] Text``, at
+most 72 characters), a body saying why, a DCO ``Signed-off-by`` of its author
+and exactly one ``Upstream-Status`` trailer in Yocto's vocabulary, with a
+checkable reference (a vLLM PR or commit URL) where one is due: see
+CONTRIBUTING.md, "Ground rules".
 """
 
 from __future__ import annotations
 
-import argparse
 import email
-import email.header
 import email.policy
 import email.utils
 import re
 import sys
 from pathlib import Path
 
-from tools._common import PATCHES_DIR, StackError, read_series, run_main, say
+from tools._common import PATCHES_DIR, StackError, parser, read_series, run_main, say
 
 TOOL = "lint"
 ZERO_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
 SUBJECT_RE = re.compile(r"^(\[[A-Za-z0-9][A-Za-z0-9 ._/+-]*\])+ \S")
 STATUS_RE = re.compile(r"^(?P<kw>\S+?)(?: \[(?P<arg>[^\[\]]*)\])?$")
-# keyword -> does its bracket hold: "ref" (required, checkable), "reason"
+# keyword -> its bracket holds: "ref" (required, checkable), "reason"
 # (required, free text) or "optional" (free text, may be left out).
 STATUS_KINDS = {
     "Pending": "optional", "Submitted": "ref", "Accepted": "optional",
@@ -49,8 +36,8 @@ STATUS_KINDS = {
 REF_RE = re.compile(r"https://github\.com/vllm-project/vllm/"
                     r"(?:pull/[1-9]\d*|commit/[0-9a-f]{7,40})")
 URL_RE = re.compile(r"\w+://\S+")
-# Trailers that mean something to this stack only: tools.export_series
-# --for-upstream drops them from the mails it writes.
+# Trailers that mean something to this stack only: export_series
+# --for-upstream drops them.
 DOWNSTREAM_TRAILERS = ("Upstream-Status",)
 VOCABULARY = " | ".join(f"{k} [...]" if v != "optional" else k
                         for k, v in STATUS_KINDS.items())
@@ -83,80 +70,64 @@ def check_status(value: str) -> str | None:
 
 
 def lint_patch(path: Path) -> list[str]:
-    name = path.name
     text = path.read_bytes().decode("utf-8", "replace")
-    problems: list[str] = []
     if not text.startswith(ZERO_FROM):
-        problems.append(f"{name}: not a git mail exported by tools.export_series "
-                        "(first line must be the zero-hash `From ` line)")
-        return problems
+        return ["not a git mail exported by tools.export_series "
+                "(first line must be the zero-hash `From ` line)"]
     head, sep, rest = text.partition("\n---\n")
     if not sep:
-        rest = text
-        head = text.split("\ndiff --git ", 1)[0]
-    msg = email.message_from_string(head[len(ZERO_FROM):], policy=email.policy.compat32)
-    author = msg.get("From")
-    subject_raw = msg.get("Subject")
-    if not author or not msg.get("Date") or not subject_raw:
-        problems.append(f"{name}: lacks a From, Date or Subject header")
-        return problems
-    subject = "".join(
-        part.decode(enc or "utf-8") if isinstance(part, bytes) else part
-        for part, enc in email.header.decode_header(subject_raw)
-    ).replace("\n", " ")
-    subject = re.sub(r"\s+", " ", subject).strip()
+        rest, head = text, text.split("\ndiff --git ", 1)[0]
+    msg = email.message_from_string(head[len(ZERO_FROM):], policy=email.policy.default)
+    author, subject = msg.get("From"), msg.get("Subject")
+    if not author or not msg.get("Date") or not subject:
+        return ["lacks a From, Date or Subject header"]
+    problems: list[str] = []
+    subject = re.sub(r"\s+", " ", str(subject)).strip()
     if subject.startswith("[PATCH"):
-        problems.append(f"{name}: subject {subject!r} carries a [PATCH] prefix; "
-                        "export with --keep-subject")
+        problems.append(f"subject {subject!r} carries a [PATCH] prefix; export with "
+                        "--keep-subject")
     elif not SUBJECT_RE.match(subject):
-        problems.append(f"{name}: subject {subject!r} is not in vLLM's style "
-                        "`[Tag] Summary` (e.g. `[Model] ...`, `[Spec Decode] ...`)")
+        problems.append(f"subject {subject!r} is not in vLLM's style `[Tag] Summary` "
+                        "(e.g. `[Model] ...`, `[Spec Decode] ...`)")
     if len(subject) > MAX_SUBJECT:
-        problems.append(f"{name}: subject is {len(subject)} characters (max {MAX_SUBJECT})")
-    body = msg.get_payload()
-    assert isinstance(body, str)
-    lines = body.rstrip("\n").split("\n")
+        problems.append(f"subject is {len(subject)} characters (max {MAX_SUBJECT})")
+    lines = msg.get_payload().rstrip("\n").split("\n")
     trailers: list[str] = []
     while lines and lines[-1].strip():
         trailers.insert(0, lines.pop())
-    prose = "\n".join(lines).strip()
-    if not prose:
-        problems.append(f"{name}: the message has no body saying why the patch exists")
+    if not "\n".join(lines).strip():
+        problems.append("the message has no body saying why the patch exists")
     if not trailers:
-        problems.append(f"{name}: no trailer block (Upstream-Status, Signed-off-by)")
+        problems.append("no trailer block (Upstream-Status, Signed-off-by)")
     sobs = [m.group(1) for t in trailers if (m := SOB_RE.match(t))]
-    author_addr = email.utils.parseaddr(author)[1]
     if not sobs:
-        problems.append(f"{name}: no DCO `Signed-off-by: Name <email>` trailer "
+        problems.append("no DCO `Signed-off-by: Name <email>` trailer "
                         "(vLLM requires one; commit with `git commit -s`)")
-    elif not any(email.utils.parseaddr(s)[1] == author_addr for s in sobs):
-        problems.append(f"{name}: no Signed-off-by from its author {author}")
+    elif email.utils.parseaddr(str(author))[1] not in (email.utils.parseaddr(s)[1] for s in sobs):
+        problems.append(f"no Signed-off-by from its author {author}")
     statuses = [t.split(":", 1)[1].strip() for t in trailers
                 if t.lower().startswith("upstream-status:")]
-    elsewhere = [ln for ln in lines if ln.lower().startswith("upstream-status:")]
-    if elsewhere:
-        problems.append(f"{name}: an Upstream-Status line outside the trailer block "
+    if any(ln.lower().startswith("upstream-status:") for ln in lines):
+        problems.append("an Upstream-Status line outside the trailer block "
                         "(the trailers are the last paragraph of the message)")
     if not statuses:
-        problems.append(f"{name}: no `Upstream-Status:` trailer ({VOCABULARY})")
+        problems.append(f"no `Upstream-Status:` trailer ({VOCABULARY})")
     elif len(statuses) > 1:
-        problems.append(f"{name}: {len(statuses)} Upstream-Status trailers; "
-                        "a mail has exactly one")
-    problems.extend(f"{name}: {p}" for s in statuses if (p := check_status(s)))
+        problems.append(f"{len(statuses)} Upstream-Status trailers; a mail has exactly one")
+    problems.extend(p for s in statuses if (p := check_status(s)))
     if "\ndiff --git a/" not in rest and not rest.startswith("diff --git a/"):
-        problems.append(f"{name}: contains no `diff --git a/... b/...` section")
+        problems.append("contains no `diff --git a/... b/...` section")
     if not text.endswith("\n"):
-        problems.append(f"{name}: does not end with a newline")
+        problems.append("does not end with a newline")
     return problems
 
 
 def lint(patches: Path) -> list[str]:
-    series = patches / "series"
-    problems: list[str] = []
     try:
-        names = read_series(series)
+        names = read_series(patches / "series")
     except StackError as e:
         return [str(e)]
+    problems: list[str] = []
     seen: set[str] = set()
     for n in names:
         if n in seen:
@@ -167,18 +138,14 @@ def lint(patches: Path) -> list[str]:
         elif not (patches / n).is_file():
             problems.append(f"series lists {n}, which does not exist in {patches}")
         else:
-            problems.extend(lint_patch(patches / n))
-    for f in sorted(patches.glob("*.patch")):
-        if f.name not in seen:
-            problems.append(f"{f.name} is in {patches} but not listed in the series")
+            problems.extend(f"{n}: {p}" for p in lint_patch(patches / n))
+    problems.extend(f"{f.name} is in {patches} but not listed in the series"
+                    for f in sorted(patches.glob("*.patch")) if f.name not in seen)
     return problems
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.lint_series",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = parser("lint_series", __doc__)
     ap.add_argument("--patches", type=Path, default=PATCHES_DIR)
     args = ap.parse_args()
     problems = lint(args.patches)

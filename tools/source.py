@@ -11,63 +11,57 @@ stand-in for upstream's git tag.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tarfile
 import tempfile
 from pathlib import Path
 
-from tools._common import REPO_ROOT, StackError, load_pin, run_main, say
-from tools.fetch import ensure, offline_default
+from tools._common import REPO_ROOT, StackError, load_pin, parser, run_main, say
+from tools.fetch import ensure
 
 TOOL = "source"
 
 
 def unpack(sdist: Path, dest: Path, *, full: bool) -> int:
-    """Extract the sdist's tree (or just its ``vllm/`` package) into ``dest``,
-    which must not exist. Extraction goes to a temporary sibling first, so an
-    interrupted run never leaves a half-written ``dest``."""
+    """Extract the sdist's tree (or its ``vllm/`` package) into the new
+    ``dest`` through a temporary sibling, so that an interrupted run never
+    leaves half of it; return the number of files."""
     if dest.exists():
         raise StackError(f"{dest} already exists; not overwriting it")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    count = 0
     try:
         with tarfile.open(sdist) as tar:
             members = tar.getmembers()
-            top = members[0].name.split("/", 1)[0]
-            prefix = f"{top}/" if full else f"{top}/vllm/"
-            picked = []
-            for m in members:
-                if not m.name.startswith(prefix) or not (m.isfile() or m.isdir()):
-                    continue
+            prefix = members[0].name.split("/", 1)[0] + ("/" if full else "/vllm/")
+            picked = [m for m in members if m.name.startswith(prefix) and m.name != prefix
+                      and (m.isfile() or m.isdir())]
+            for m in picked:
                 m.name = m.name[len(prefix):]
-                if m.name:
-                    picked.append(m)
             tar.extractall(tmp, members=picked, filter="data")
-            count = sum(1 for m in picked if m.isfile())
         os.replace(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return count
+    return sum(1 for m in picked if m.isfile())
+
+
+def unpack_sdist(dest: Path, *, offline: bool, full: bool = True) -> int:
+    return unpack(ensure(load_pin().artifact("sdist"), offline=offline), dest, full=full)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.source", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dest", type=Path, default=None,
+    ap = parser("source", __doc__, offline=True)
+    ap.add_argument("--dest", type=Path, default=REPO_ROOT / "vllm",
                     help="destination (default: vllm/ at the repo root)")
     ap.add_argument("--full", action="store_true", help="the whole upstream tree, not only vllm/")
-    ap.add_argument("--offline", action="store_true", default=offline_default())
     args = ap.parse_args()
-    dest = args.dest or REPO_ROOT / "vllm"
-    if dest.exists():
-        say(TOOL, f"{dest} exists; left as it is (remove it yourself for a fresh copy)")
+    if args.dest.exists():
+        say(TOOL, f"{args.dest} exists; left as it is (remove it yourself for a fresh copy)")
         return 0
-    sdist = ensure(load_pin().artifact("sdist"), offline=args.offline)
-    n = unpack(sdist, dest, full=args.full)
-    say(TOOL, f"unpacked {n} files of {sdist.name} into {dest}")
+    n = unpack_sdist(args.dest, offline=args.offline, full=args.full)
+    say(TOOL, f"unpacked {n} files of {load_pin().artifact('sdist').filename} into {args.dest}")
     return 0
 
 

