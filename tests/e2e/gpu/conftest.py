@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 # installed vllm keeps precedence, and importable in either pytest import mode.
 if str(HERE) not in sys.path:
     sys.path.append(str(HERE))
+import gpu_e2e_helpers  # noqa: E402 - also puts tools/ and tools/gpu_harness on sys.path
 
 
 def _cuda_reason() -> str | None:
@@ -64,6 +65,4 @@ def results_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory):
     """Tiny seeded random checkpoints (tools/tiny_checkpoints.py)."""
-    import gpu_e2e_helpers
-
     return gpu_e2e_helpers.make_checkpoints(tmp_path_factory.mktemp("tiny-ckpts"))

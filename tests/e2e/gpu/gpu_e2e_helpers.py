@@ -15,7 +15,6 @@ graphs, vLLM's own backends); ``eager`` is production without compilation.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import random
@@ -65,13 +64,18 @@ def checkpoint_kwargs() -> dict[str, Any]:
     return {"dtype": "bfloat16", **MLA_GEOMETRY}
 
 
+# tiny_checkpoints and the harness tools are scripts, not an installed
+# package: their folders go last on sys.path (the installed vllm stays first)
+# and they are imported by name.
+for _d in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "gpu_harness"):
+    if str(_d) not in sys.path:
+        sys.path.append(str(_d))
+
+
 def _tiny():
-    path = REPO_ROOT / "tools" / "tiny_checkpoints.py"
-    spec = importlib.util.spec_from_file_location("tiny_checkpoints", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tiny_checkpoints", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    import tiny_checkpoints
+
+    return tiny_checkpoints
 
 
 # The drafter's attention must give the same KV-cache page as the target's

@@ -32,13 +32,10 @@ Takes about 7 minutes on one GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from gpu_e2e_helpers import REPO_ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -48,12 +45,9 @@ CONTROL_MIN_DROP = 0.2
 
 
 def _bench():
-    path = REPO_ROOT / "tools" / "gpu_harness" / "bench_eagle3.py"
-    spec = importlib.util.spec_from_file_location("bench_eagle3", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_eagle3", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    import bench_eagle3
+
+    return bench_eagle3
 
 
 def test_eagle3_acceptance_in_production(tmp_path, results_dir, monkeypatch):

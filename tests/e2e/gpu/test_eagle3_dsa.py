@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 
 import pytest
 
-from gpu_e2e_helpers import REPO_ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -35,7 +33,6 @@ KINDS = ["glm5", "deepseek-v32"]
 
 
 def _tool(name):
-    sys.path.insert(0, str(REPO_ROOT / "tools" / "gpu_harness"))
     return importlib.import_module(name)
 
 

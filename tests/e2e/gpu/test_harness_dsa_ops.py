@@ -7,7 +7,6 @@ quantized bytes match exactly. Not marked ``gpu``: CPU in CI, CUDA when present.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import struct
@@ -18,21 +17,11 @@ import textwrap
 import pytest
 import torch
 
+import dsa_ops as dsa
 from gpu_e2e_helpers import REPO_ROOT
 
 DSA_PATH = REPO_ROOT / "tools" / "gpu_harness" / "dsa_ops.py"
 TORCH_OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
-
-
-def _load(name="gpu_harness_dsa_ops"):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, DSA_PATH)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-dsa = _load()
 dsa.register({"_C": "_C_dsa_test", "_C_cache_ops": "_C_cache_ops_dsa_test",
               "_flashmla_C": "_flashmla_C_dsa_test"})
 C = torch.ops._C_dsa_test

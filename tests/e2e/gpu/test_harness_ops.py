@@ -6,7 +6,6 @@ CI, CUDA too when present, under test namespaces next to a real ``vllm._C``."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import subprocess
@@ -15,20 +14,10 @@ import sys
 import pytest
 import torch
 
+import torch_ops as ops_mod
 from gpu_e2e_helpers import REPO_ROOT
 
 OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
-
-
-def _load_ops(name="gpu_harness_torch_ops"):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, OPS_PATH)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-ops_mod = _load_ops()
 ops_mod.register({"_C": "_C_harness_test", "_moe_C": "_moe_C_harness_test",
                   "_C_cache_ops": "_C_cache_ops_harness_test",
                   "_vllm_fa2_C": "_vllm_fa2_C_harness_test"})
