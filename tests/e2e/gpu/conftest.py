@@ -24,10 +24,12 @@ if str(HERE) not in sys.path:
 import gpu_e2e_helpers  # noqa: E402 - also puts tools/ and tools/gpu_harness on sys.path
 
 
+# Ask NVML, not the CUDA driver: initialising CUDA in this process before
+# vLLM forks its engine core leaves the child's CUDA unusable.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
 def _cuda_reason() -> str | None:
-    # Ask NVML, not the CUDA driver: initialising CUDA in this process before
-    # vLLM forks its engine core leaves the child's CUDA unusable.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         import torch
     except Exception as e:  # pragma: no cover
@@ -40,6 +42,15 @@ def _cuda_reason() -> str | None:
             "tools/gpu_harness/device_run.sh; see docs/gpu.md"
         )
     return None
+
+
+def pytest_generate_tests(metafunc):
+    # Every op test that takes `device` runs on the CPU, and on CUDA if present.
+    if "device" in metafunc.fixturenames:
+        import torch
+
+        cuda = ["cuda"] if torch.cuda.is_available() else []
+        metafunc.parametrize("device", ["cpu", *cuda])
 
 
 def pytest_collection_modifyitems(config, items):

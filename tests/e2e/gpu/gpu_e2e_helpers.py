@@ -72,6 +72,25 @@ for _d in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "gpu_harness"):
         sys.path.append(str(_d))
 
 
+# Inputs of the op tests (test_harness_ops.py, test_harness_dsa_ops.py).
+def gen(seed: int, device: str):
+    import torch
+
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def randn(shape, dtype, device, seed, scale=1.0):
+    import torch
+
+    return (torch.randn(shape, generator=gen(seed, device), device=device) * scale).to(dtype)
+
+
+def tensor(values, device, dtype=None):
+    import torch
+
+    return torch.tensor(values, dtype=dtype or torch.int32, device=device)
+
+
 def _tiny():
     import tiny_checkpoints
 

@@ -70,24 +70,22 @@ def _serve(model, prompts, max_tokens, drafter=None, **extra):
         shutdown(llm)
 
 
+def _record(path, plain, spec, spec_metrics, **fields):
+    path.write_text(json.dumps({
+        **fields, "equal": plain == spec, "plain": plain, "eagle3": spec,
+        "spec_decode_metrics": spec_metrics, "harness": harness_in_use()}, indent=1))
+
+
 def test_smoke_deepseek_v3_eagle3_greedy_equals_plain(tiny_ckpts, results_dir):
     prompts = token_prompts(PROMPT_LENGTHS, seed=PROMPT_SEED)
     plain, plain_metrics = _serve(tiny_ckpts.deepseek_v3, prompts, MAX_TOKENS)
     spec, spec_metrics = _serve(
         tiny_ckpts.deepseek_v3, prompts, MAX_TOKENS, drafter=tiny_ckpts.drafter
     )
-    (results_dir / "deepseek_v3_eagle3.json").write_text(json.dumps({
-        "prompt_lengths": PROMPT_LENGTHS,
-        "prompt_seed": PROMPT_SEED,
-        "max_tokens": MAX_TOKENS,
-        "num_speculative_tokens": NUM_SPEC_TOKENS,
-        "aux_layer_ids": tiny_ckpts.info["drafter"]["eagle_aux_hidden_state_layer_ids"],
-        "equal": plain == spec,
-        "plain": plain,
-        "eagle3": spec,
-        "spec_decode_metrics": spec_metrics,
-        "harness": harness_in_use(),
-    }, indent=1))
+    _record(results_dir / "deepseek_v3_eagle3.json", plain, spec, spec_metrics,
+            prompt_lengths=PROMPT_LENGTHS, prompt_seed=PROMPT_SEED,
+            max_tokens=MAX_TOKENS, num_speculative_tokens=NUM_SPEC_TOKENS,
+            aux_layer_ids=tiny_ckpts.info["drafter"]["eagle_aux_hidden_state_layer_ids"])
     assert plain_metrics["num_drafts"] == 0
     assert all(len(t) == MAX_TOKENS for t in plain)
     assert len(plain) == len(prompts)
@@ -109,14 +107,8 @@ def test_smoke_kimi_k25_eagle3_text_prompt(tiny_ckpts, results_dir):
     spec, spec_metrics = _serve(
         tiny_ckpts.kimi_k25, KIMI_PROMPTS, 32, drafter=tiny_ckpts.drafter, **extra
     )
-    (results_dir / "kimi_k25_eagle3.json").write_text(json.dumps({
-        "prompts": KIMI_PROMPTS,
-        "equal": plain == spec,
-        "plain": plain,
-        "eagle3": spec,
-        "spec_decode_metrics": spec_metrics,
-        "harness": harness_in_use(),
-    }, indent=1))
+    _record(results_dir / "kimi_k25_eagle3.json", plain, spec, spec_metrics,
+            prompts=KIMI_PROMPTS)
     assert len(plain) == len(KIMI_PROMPTS)
     assert_same_tokens(plain, spec)
     assert_drafted(spec_metrics)

@@ -19,6 +19,9 @@ import torch
 
 import dsa_ops as dsa
 from gpu_e2e_helpers import REPO_ROOT
+from gpu_e2e_helpers import gen as _gen
+from gpu_e2e_helpers import randn as _randn
+from gpu_e2e_helpers import tensor as _t
 
 DSA_PATH = REPO_ROOT / "tools" / "gpu_harness" / "dsa_ops.py"
 TORCH_OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
@@ -28,14 +31,8 @@ C = torch.ops._C_dsa_test
 CACHE = torch.ops._C_cache_ops_dsa_test
 FMLA = torch.ops._flashmla_C_dsa_test
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FP8, BF16, I32 = torch.float8_e4m3fn, torch.bfloat16, torch.int32
 NEG_INF = float("-inf")
-
-
-def pytest_generate_tests(metafunc):  # every `device` test runs on CPU, and CUDA if present
-    if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)
 
 
 # --- literal number formats --------------------------------------------------
@@ -73,18 +70,6 @@ def bf16(v: float) -> float:
 
 def f32_bytes(v: float) -> list[int]:
     return list(struct.pack("<f", v))
-
-
-def _gen(seed: int, device: str) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def _randn(shape, dtype, device, seed, scale=1.0):
-    return (torch.randn(shape, generator=_gen(seed, device), device=device) * scale).to(dtype)
-
-
-def _t(values, device, dtype=I32):
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _fp8_random(shape, device, seed):

@@ -16,6 +16,9 @@ import torch
 
 import torch_ops as ops_mod
 from gpu_e2e_helpers import REPO_ROOT
+from gpu_e2e_helpers import gen as _gen
+from gpu_e2e_helpers import randn as _randn
+from gpu_e2e_helpers import tensor as _t
 
 OPS_PATH = REPO_ROOT / "tools" / "gpu_harness" / "torch_ops.py"
 ops_mod.register({"_C": "_C_harness_test", "_moe_C": "_moe_C_harness_test",
@@ -26,25 +29,7 @@ MOE = torch.ops._moe_C_harness_test
 CACHE = torch.ops._C_cache_ops_harness_test
 FA2 = torch.ops._vllm_fa2_C_harness_test
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 I32, BF16, F32, F16 = torch.int32, torch.bfloat16, torch.float32, torch.float16
-
-
-def pytest_generate_tests(metafunc):  # every `device` test runs on CPU, and CUDA if present
-    if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)
-
-
-def _gen(seed: int, device: str) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def _randn(shape, dtype, device, seed, scale=1.0):
-    return (torch.randn(shape, generator=_gen(seed, device), device=device) * scale).to(dtype)
-
-
-def _t(values, device, dtype=I32):
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _ulp_tol(dtype):
