@@ -53,19 +53,16 @@ if [[ ${SKIP_SETUP:-0} != 1 ]]; then  # device_parallel.sh has set up already
   stage setup 180 "$OUT/setup.log" bash tools/gpu_harness/device_setup.sh "$SITE" || { tail -40 "$OUT/setup.log"; exit 1; }
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >>"$OUT/setup.log" 2>&1
-E2E_OK=1
 for s in $STAGES; do
   case $s in
     ops) stage ops ${OPS_LIMIT_S:-150} "$OUT/ops.log" python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/gpu/test_harness_ops.py tests/e2e/gpu/test_harness_dsa_ops.py ${OPS_K:+-k "$OPS_K"} ;;
     e2e)
-      (( E2E_OK )) || continue
       stage e2e ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_acceptance.py}
       if (( $? != 0 )) && grep -qE "torch\._dynamo|torch\._inductor|BackendCompilerFailed" "$OUT/e2e.log"; then
         echo "== e2e: rerun with TORCHDYNAMO_DISABLE=1" | tee -a "$OUT/summary.log"
         export TORCHDYNAMO_DISABLE=1
         stage e2e-nodynamo ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_acceptance.py}
-      fi
-      grep -qE "PASSED.*test_smoke_deepseek_v3_eagle3_greedy_equals_plain|test_smoke_deepseek_v3_eagle3_greedy_equals_plain PASSED" "$OUT/e2e.log" || E2E_OK=0 ;;
+      fi ;;
     acceptance) stage acceptance ${E2E_LIMIT_S:-540} "$OUT/acceptance.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_acceptance.py ;;
     e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py --deselect tests/e2e/gpu/test_eagle3_acceptance.py ;;
     bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
