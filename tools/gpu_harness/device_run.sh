@@ -22,6 +22,8 @@
 #          dsa-aux-glm5, dsa-acceptance-v32, ... run one of the two tests
 #          (the rest of the name becomes pytest's -k, "-" read as "and")
 #   server-kimi  the server stage with Kimi-K2.5 and the MLA drafter
+#   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
+#          (KERNELS=DIR: set up with an earlier build instead of the stand-ins)
 # Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
 # Stops before the 10-minute limit of one device call (BUDGET_S, default 570).
 set -uo pipefail
@@ -49,6 +51,16 @@ stage() {  # stage NAME MAX_SECONDS LOG CMD...
   return $rc
 }
 
+# kernels: build vLLM's own CUDA ops from the carried sources (.device/kernels,
+# kernels.py stage) first, then set up with them instead of the stand-ins; the
+# libraries and kernels.json also go to $OUT. KERNELS=DIR reuses a build.
+KERNELS_OUT=${KERNELS_OUT:-.device/kernels/out}
+if [[ " $STAGES " == *" kernels "* ]]; then
+  stage kernels ${KERNELS_LIMIT_S:-420} "$OUT/kernels.log" python3 tools/gpu_harness/kernels.py build --out "$KERNELS_OUT" \
+    || { tail -40 "$OUT/kernels.log"; exit 1; }
+  cp "$KERNELS_OUT/kernels.json" "$KERNELS_OUT/kernels-libs.tar.xz" "$OUT/"
+  export KERNELS=$KERNELS_OUT
+fi
 if [[ ${SKIP_SETUP:-0} != 1 ]]; then  # device_parallel.sh has set up already
   stage setup 180 "$OUT/setup.log" bash tools/gpu_harness/device_setup.sh "$SITE" || { tail -40 "$OUT/setup.log"; exit 1; }
 fi
@@ -86,6 +98,7 @@ for s in $STAGES; do
       # warm-up is for fp8 GEMMs, which these bf16 models have none of.
       stage "$s" ${DSA_LIMIT_S:-540} "$OUT/$s.log" env EAGLE3_HARNESS_DSA=1 VLLM_DEEP_GEMM_WARMUP=skip \
         python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "$(k=${s#dsa-}; echo "${k//-/ and }")" ${DSA_PYTEST_ARGS:-} ;;
+    kernels) ;;  # built above, before setup
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -12,10 +12,22 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target "$SITE" .device/whl/*.whl
 # VLLM_TARBALL picks another staged tree (prepare.py --without PATCH).
 tar -xJf "${VLLM_TARBALL:-.device/vllm/vllm-py.tar.xz}" -C "$SITE"
-cp tools/gpu_harness/torch_ops.py "$SITE/vllm/_gpu_harness_ops.py"
-cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
-cp tools/gpu_harness/standin_C.py "$SITE/vllm/_C.py"
-cp tools/gpu_harness/standin_fa2_C.py "$SITE/vllm/vllm_flash_attn/_vllm_fa2_C.py"
+if [[ -n ${KERNELS:-} ]]; then
+  # vLLM's own kernels built from the pinned sources (kernels.py build --out
+  # KERNELS, or the kernels-libs.tar.xz it writes): laid out as in the wheel,
+  # no stand-in installed.
+  if [[ -f $KERNELS && $KERNELS == *.tar.xz ]]; then
+    rm -rf /tmp/eagle3-kernel-libs && mkdir -p /tmp/eagle3-kernel-libs && tar -xJf "$KERNELS" -C /tmp/eagle3-kernel-libs
+    KERNELS=/tmp/eagle3-kernel-libs
+  fi
+  [[ -f $KERNELS/kernels.json ]] || { echo "KERNELS=$KERNELS holds no kernels.json: run kernels.py build" >&2; exit 1; }
+  cp -r "$KERNELS/vllm/." "$SITE/vllm/"
+else
+  cp tools/gpu_harness/torch_ops.py "$SITE/vllm/_gpu_harness_ops.py"
+  cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
+  cp tools/gpu_harness/standin_C.py "$SITE/vllm/_C.py"
+  cp tools/gpu_harness/standin_fa2_C.py "$SITE/vllm/vllm_flash_attn/_vllm_fa2_C.py"
+fi
 rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"
 PYTHONPATH="$SITE" python3 - <<'PY'
 import torch, transformers, triton, vllm, vllm._C
@@ -23,8 +35,8 @@ from importlib.resources import files
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
       "transformers", transformers.__version__, "vllm", vllm.__version__, vllm.__file__)
 print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-print("harness ops:", len(vllm._C.HARNESS_OPS))
-from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
-print("FA2 (harness varlen_fwd):", is_fa_version_supported(2), "FA3:", is_fa_version_supported(3))
+print("vllm._C:", vllm._C.__file__, "stand-in ops:", len(getattr(vllm._C, "HARNESS_OPS", ())))
+from vllm.vllm_flash_attn import flash_attn_interface as fai
+print("FA2:", fai.FA2_AVAILABLE, fai.FA2_UNAVAILABLE_REASON, "| FA3:", fai.FA3_AVAILABLE, fai.FA3_UNAVAILABLE_REASON)
 print("manifest:", (files("vllm") / "_gpu_harness_manifest.json").read_text())
 PY

@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tools/gpu_harness/kernels.py on CPU: the pins match what the sdist's CMake
+fetches, the subset names sources the sdist has, and the registration and
+Marlin-selector trimming keep upstream's text except what is not built.
+The build itself needs nvcc and a GPU machine (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from stack_tooling import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools" / "gpu_harness"))
+import kernels  # noqa: E402
+
+PIN = tomllib.loads((REPO_ROOT / "pin.toml").read_text())["kernel_sources"]
+
+
+def test_pins_are_what_the_sdist_cmake_fetches(pristine_tree: Path):
+    cmake = (pristine_tree / "CMakeLists.txt").read_text()
+    assert re.search(r'set\(CUTLASS_REVISION "([^"]+)"\)', cmake).group(1) == PIN["cutlass"]["rev"]
+    fa = (pristine_tree / "cmake/external_projects/vllm_flash_attn.cmake").read_text()
+    assert re.search(r"GIT_TAG (\w+)", fa).group(1) == PIN["flash-attention"]["commit"]
+    for spec in PIN.values():
+        assert re.fullmatch(r"[0-9a-f]{40}", spec["commit"]) and re.fullmatch(r"[0-9a-f]{64}", spec["sha256"])
+
+
+def test_subset_names_sources_the_sdist_lists(pristine_tree: Path):
+    cmake = (pristine_tree / "CMakeLists.txt").read_text()
+    for tgt in ("_C", "_moe_C"):
+        for src in kernels.SUBSET[tgt]:
+            if "marlin_moe_wna16/sm80_kernel_" in src:
+                continue  # generated at configure time (test_marlin_selector)
+            assert (pristine_tree / src).is_file(), src
+            assert f'"{src}"' in cmake or src in cmake, f"{src} is not in CMakeLists.txt"
+
+
+@pytest.fixture(scope="module")
+def bindings(pristine_tree: Path) -> str:
+    return (pristine_tree / "csrc/torch_bindings.cpp").read_text()
+
+
+def test_registrations_cover_every_call(bindings: str):
+    regs = kernels.registrations(bindings)
+    # Every `ops.def(` / `.impl(` call site in the file is parsed, none twice.
+    assert len(regs) == len(re.findall(r"\b\w+\.(?:def|impl)\(", bindings))
+    ops = {op for _, _, kind, op, _ in regs if kind == "def"}
+    assert {"concat_and_cache_mla", "merge_attn_states", "weak_ref_tensor", "rms_norm"} <= ops
+    assert ("impl", "paged_attention_v1", "paged_attention_v1") in {(k, o, f) for _, _, k, o, f in regs}
+
+
+def test_filter_keeps_schemas_and_drops_unbuilt_impls(bindings: str):
+    missing = {"paged_attention_v1", "cutlass_scaled_mm_supports_fp8", "dispose"}
+    out, dropped = kernels.filter_bindings(bindings, missing)
+    assert dropped == ["cutlass_scaled_mm_supports_fp8", "dispose", "paged_attention_v1"]
+    after = kernels.registrations(out)
+    # A schema stays (vLLM sees the op; calling it fails by name) unless the
+    # def binds the missing function itself (custom_ar's dispose).
+    defs = lambda regs: {op for _, _, k, op, _ in regs if k == "def"}  # noqa: E731
+    assert defs(kernels.registrations(bindings)) - defs(after) == {"dispose"}
+    assert not kernels.referenced_functions(out) & missing
+    # Everything else is upstream's text, byte for byte.
+    assert out.count("{") == bindings.count("{") and out.count("}") == bindings.count("}")
+    assert len(after) == len(kernels.registrations(bindings)) - 3  # two impls and one def
+    untouched = kernels.filter_bindings(bindings, set())
+    assert untouched == (bindings, [])
+
+
+def test_marlin_selector_keeps_the_built_variant(pristine_tree: Path, tmp_path: Path):
+    """Upstream's generate_kernels.py writes the selector; the trim keeps the
+    branches of the compiled instantiation file, as one if/else-if chain."""
+    gen = tmp_path / "marlin"
+    gen.mkdir()
+    src = pristine_tree / "csrc/moe/marlin_moe_wna16"
+    for f in src.iterdir():
+        (gen / f.name).write_bytes(f.read_bytes())
+    subprocess.run([sys.executable, str(gen / "generate_kernels.py"), "9.0"], check=True)
+    built = [f for f in kernels.SUBSET["_moe_C"] if "sm80_kernel_" in f]
+    assert all((gen / Path(f).name).is_file() for f in built), "generate_kernels.py names files otherwise"
+    full = (gen / "kernel_selector.h").read_text()
+    trimmed = kernels.trim_marlin_selector(full, built)
+    conds = [ln for ln in trimmed.splitlines() if "if (" in ln]
+    assert conds and conds[0].startswith("if (") and all(c.startswith("else if (") for c in conds[1:])
+    assert all("a_type == vllm::kBFloat16 && b_type == vllm::kU4B8 && c_type == vllm::kBFloat16" in c
+               for c in conds)
+    want = sum("a_type == vllm::kBFloat16 && b_type == vllm::kU4B8 && c_type == vllm::kBFloat16" in ln
+               for ln in full.splitlines())
+    assert len(conds) == want > 0
+    with pytest.raises(kernels.StackError, match="no branch"):
+        kernels.trim_marlin_selector(full, ["sm80_kernel_float16_u2_float16.cu"])
+
+
+def _fake_vllm(root: Path) -> Path:
+    """A CMake project shaped like vLLM's: targets defined with the flags
+    define_extension_target gives them, one more target whose sources are
+    absent (FlashMLA's), and a subproject (flash-attention) with a project()."""
+    for f in ("a.cpp", "b.cpp", "torch_bindings.cpp", "sub/c.cpp", "sub/d.cpp"):
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text("int f_%s() { return 0; }\n" % Path(f).stem)
+    (root / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.20)\nproject(vllm_extensions LANGUAGES CXX)\n"
+        "add_library(_C MODULE a.cpp b.cpp torch_bindings.cpp)\n"
+        "target_compile_options(_C PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-DKEEP=1;-DENABLE_SCALED_MM_SM90=1;-DTAIL=2>)\n"
+        "add_library(_flashmla_C MODULE ${CMAKE_SOURCE_DIR}/not/fetched.cu.cpp)\n"
+        "add_subdirectory(sub)\n")
+    (root / "sub" / "CMakeLists.txt").write_text(
+        "project(vllm_flash_attn LANGUAGES CXX)\nadd_library(_vllm_fa3_C MODULE c.cpp d.cpp)\n")
+    return root
+
+
+def _configure(src: Path, build: Path, keep_c: str):
+    swap = src / "torch_bindings_subset.cpp"
+    swap.write_text("int subset() { return 0; }\n")
+    (build.parent / "placeholder.cpp").write_text("\n")
+    return subprocess.run(
+        ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+         f"-DCMAKE_PROJECT_INCLUDE={kernels.HOOK}", "-DEAGLE3_KERNEL_TARGETS=_C;_vllm_fa3_C",
+         f"-DEAGLE3_KERNEL_SRCS__C={keep_c};torch_bindings.cpp", "-DEAGLE3_KERNEL_SRCS__vllm_fa3_C=d.cpp",
+         f"-DEAGLE3_KERNEL_SWAP__C=torch_bindings.cpp={swap}",
+         "-DEAGLE3_KERNEL_DEFS__vllm_fa3_C=FLASHATTENTION_DISABLE_FP8",
+         f"-DEAGLE3_KERNEL_PLACEHOLDER={build.parent / 'placeholder.cpp'}"],
+        capture_output=True, text=True)
+
+
+def test_cmake_hook_trims_targets_as_vllm_defines_them(tmp_path: Path):
+    import json
+
+    src = _fake_vllm(tmp_path / "src")
+    r = _configure(src, tmp_path / "build", "a.cpp")
+    assert r.returncode == 0, r.stdout + r.stderr
+    cmds = json.loads((tmp_path / "build" / "compile_commands.json").read_text())
+    by_file = {Path(c["file"]).name: c["command"] for c in cmds}
+    # _C: the kept source and the generated bindings, not b.cpp or upstream's bindings.
+    assert {"a.cpp", "torch_bindings_subset.cpp", "d.cpp", "placeholder.cpp"} == set(by_file)
+    assert "-DKEEP=1" in by_file["a.cpp"] and "-DTAIL=2" in by_file["a.cpp"]
+    assert "ENABLE_SCALED_MM_SM90" not in by_file["a.cpp"]
+    assert "-DFLASHATTENTION_DISABLE_FP8" in by_file["d.cpp"]
+
+
+def test_cmake_hook_refuses_a_source_the_cmake_does_not_list(tmp_path: Path):
+    src = _fake_vllm(tmp_path / "src")
+    r = _configure(src, tmp_path / "build", "gone.cpp")
+    assert r.returncode != 0
+    assert "_C has no source ending in gone.cpp" in r.stdout + r.stderr
