@@ -180,7 +180,7 @@ def bench_engine(model, drafter, eval_prompts, train_prompts=None, batches=BENCH
     start_s = time.perf_counter() - t0
     try:
         _timed(llm, eval_prompts[:2], 2)  # warm-up: Triton JIT, allocator
-        res, outs = {"engine_start_s": start_s, "profile": h.profile()}, {}
+        res, outs = {"engine_start_s": start_s, "profile": h.profile(), "engine": h.engine_facts(llm)}, {}
         for b in batches:
             outs[b], res[f"batch{b}"] = _timed(llm, eval_prompts[: max(4, b)], b)
         train = None

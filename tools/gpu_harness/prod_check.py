@@ -79,6 +79,7 @@ def _run(name, model, prompts, drafter=None, **extra):
             cc = llm.llm_engine.vllm_config.compilation_config
             rec["compilation"] = {"mode": str(cc.mode), "cudagraph_mode": str(cc.cudagraph_mode),
                                   "cudagraph_capture_sizes": cc.cudagraph_capture_sizes}
+            rec["engine"] = h.engine_facts(llm)
             rec["enforce_eager"] = llm.llm_engine.vllm_config.model_config.enforce_eager
             rec["dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype)
             rec["use_mla"] = llm.llm_engine.vllm_config.model_config.use_mla

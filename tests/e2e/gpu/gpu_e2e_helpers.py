@@ -150,6 +150,8 @@ def configure_env() -> None:
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     # Engine-core processes start fresh (no fork after CUDA use in the parent).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # engine_facts() sends a function to the workers (collective_rpc).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -223,6 +225,50 @@ SPEC_METRICS = {
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
+
+
+OP_MODULES = ("vllm._C", "vllm._moe_C", "vllm.vllm_flash_attn._vllm_fa2_C",
+              "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C")
+
+
+def _worker_facts(worker) -> dict[str, Any]:
+    """Runs in each worker (collective_rpc): what the engine actually uses,
+    after vLLM's own backend choice and CUDA-graph lowering."""
+    import importlib
+
+    mr = worker.model_runner
+    drafter = getattr(mr, "drafter", None)
+    draft_layers = set(getattr(drafter, "attn_layer_names", None) or [])
+    backends: dict[str, set] = {"target": set(), "drafter": set()}
+    for groups in mr.attn_groups:
+        for g in groups:
+            for name in g.layer_names:
+                backends["drafter" if name in draft_layers else "target"].add(g.backend.get_name())
+    providers = {}
+    for mod in OP_MODULES:
+        try:
+            f = importlib.import_module(mod).__file__ or ""
+            providers[mod] = ("stand-in " if f.endswith(".py") else "built ") + f
+        except ImportError as e:
+            providers[mod] = f"absent ({e})"
+    disp = getattr(drafter, "cudagraph_dispatcher", None)
+    return {
+        "attention_backends": {k: sorted(v) for k, v in backends.items()},
+        "cudagraph_mode": str(mr.compilation_config.cudagraph_mode),
+        "target_dispatcher_mode": str(getattr(mr.cudagraph_dispatcher, "cudagraph_mode", None)),
+        "drafter_dispatcher_mode": None if disp is None else str(disp.cudagraph_mode),
+        "compilation_mode": str(mr.compilation_config.mode),
+        "op_providers": providers,
+    }
+
+
+def engine_facts(llm) -> dict[str, Any]:
+    """The first worker's facts (see _worker_facts); needs
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (configure_env) to send the function."""
+    try:
+        return llm.collective_rpc(_worker_facts)[0]
+    except Exception as e:  # a missing fact must not cost the run
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def spec_counters(llm) -> dict[str, Any]:
