@@ -5,6 +5,7 @@
     python tools/gpu_harness/bench_eagle3.py all --out DIR [--profile production]
     python tools/gpu_harness/bench_eagle3.py control --artifacts A --ids 6,3,1 --out DIR
     python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR [--tag T]
+    python tools/gpu_harness/bench_eagle3.py speed --artifacts A --out DIR [--repeats 5]
 
 A random target's next token cannot be predicted, so the target is first
 trained on a language with a skip rule, t[i+1] = f(t[i-1]): the token the
@@ -607,6 +608,80 @@ def _print_table(results, batches):
               f"target rule accuracy {results['target_training']['final_rule_accuracy']:.3f}")
 
 
+def spread(values: list[float]) -> dict:
+    """Median and range of repeated measurements (the median, not the mean:
+    one slow repeat on a shared machine must not move the figure)."""
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _decode_rate(llm, prompts, gen_tokens):
+    """Prefill timed apart: one generate() of 1 token (prefill and the first
+    token), one of gen_tokens; decode tok/s counts the tokens after the first."""
+    from vllm import SamplingParams
+
+    def run(n):
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    prefill_s = run(1)
+    before = h.spec_counters(llm)
+    total_s = run(gen_tokens)
+    delta = h.counters_delta(before, h.spec_counters(llm))
+    decode_s = total_s - prefill_s
+    return {"prefill_s": prefill_s, "decode_s": decode_s,
+            "decode_tok_s": len(prompts) * (gen_tokens - 1) / decode_s, **delta}
+
+
+def speed(out_dir: Path, artifacts: Path, repeats: int, batches, gen_tokens: int) -> dict:
+    """Plain and EAGLE-3 (the trained drafter, k = K) engines side by side on
+    one GPU, measured in turn (plain, EAGLE-3, plain, ...) so that machine
+    noise hits both; per batch the median and range over the repeats of
+    decode tok/s, speed-up, acceptance and efficiency (speed-up / mean
+    acceptance length)."""
+    h.configure_env()
+    # A fixed KV cache: vLLM's memory profile would count the other engine.
+    os.environ.setdefault("EAGLE3_GPU_KV_BYTES", str(2 << 30))
+    target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
+    prompts = _prompts(max(batches), seed=1000)
+    engines = {"plain": _llm(target), "eagle3": _llm(target, trained)}
+    res = {"k": K, "gen_tokens": gen_tokens, "repeats": repeats, "profile": h.profile(),
+           "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "engine": {n: h.engine_facts(e) for n, e in engines.items()}, "batches": {}}
+    try:
+        for e in engines.values():
+            _decode_rate(e, prompts[:2], 8)  # warm-up: Triton JIT, allocator
+        runs = {b: {"plain": [], "eagle3": []} for b in batches}
+        for _ in range(repeats):
+            for b in batches:
+                for name, e in engines.items():
+                    runs[b][name].append(_decode_rate(e, prompts[:b], gen_tokens))
+        for b, r in runs.items():
+            ratios = [e["decode_tok_s"] / p["decode_tok_s"] for p, e in zip(r["plain"], r["eagle3"])]
+            mal = [e["mean_acceptance_length"] for e in r["eagle3"]]
+            res["batches"][f"batch{b}"] = {
+                "plain_decode_tok_s": spread([x["decode_tok_s"] for x in r["plain"]]),
+                "eagle3_decode_tok_s": spread([x["decode_tok_s"] for x in r["eagle3"]]),
+                "prefill_s": {n: spread([x["prefill_s"] for x in r[n]]) for n in r},
+                "speedup": spread(ratios),
+                "mean_acceptance_length": spread(mal),
+                "efficiency": spread([s / m for s, m in zip(ratios, mal)]),
+                "accepted_per_position": [sum(x) for x in zip(*(e["accepted_per_position"] for e in r["eagle3"]))],
+                "num_drafts": sum(e["num_drafts"] for e in r["eagle3"]),
+                "runs": r,
+            }
+            print("SPEED", b, json.dumps({k: v for k, v in res["batches"][f"batch{b}"].items() if k != "runs"}),
+                  flush=True)
+    finally:
+        for e in engines.values():
+            h.shutdown(e)
+    (out_dir / "speed.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 def cache_check(out_dir: Path, artifacts: Path, tag: str) -> None:
     """Two drafters served in turn against one target with one compile-cache
     directory (VLLM_CACHE_ROOT): the trained drafter (aux ids 1, 3, 6), then
@@ -680,6 +755,13 @@ def main(argv=None):
     k.add_argument("--artifacts", type=Path, required=True, help="unpacked artifacts.tar.gz of a bench run")
     k.add_argument("--tag", default="patched")
     k.add_argument("--profile", choices=h.PROFILES, default="production")
+    sp = sub.add_parser("speed", help="plain vs EAGLE-3 decode speed, interleaved repeats")
+    sp.add_argument("--out", type=Path, required=True)
+    sp.add_argument("--artifacts", type=Path, required=True, help="unpacked artifacts.tar.gz of a bench run")
+    sp.add_argument("--repeats", type=int, default=5)
+    sp.add_argument("--batches", type=lambda t: tuple(int(x) for x in t.split(",")), default=PROD_BATCHES)
+    sp.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
+    sp.add_argument("--profile", choices=h.PROFILES, default="production")
     o = sub.add_parser("control")
     o.add_argument("--out", type=Path, required=True)
     o.add_argument("--artifacts", type=Path, required=True)
@@ -698,6 +780,9 @@ def main(argv=None):
     elif args.cmd == "control":
         args.out.mkdir(parents=True, exist_ok=True)
         control(args.out, args.artifacts, [int(x) for x in args.ids.split(",")])
+    elif args.cmd == "speed":
+        args.out.mkdir(parents=True, exist_ok=True)
+        speed(args.out, args.artifacts, args.repeats, args.batches, args.gen_tokens)
     elif args.cmd == "cache":
         args.out.mkdir(parents=True, exist_ok=True)
         cache_check(args.out, args.artifacts, args.tag)

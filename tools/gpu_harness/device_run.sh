@@ -22,6 +22,10 @@
 #          dsa-aux-glm5, dsa-acceptance-v32, ... run one of the two tests
 #          (the rest of the name becomes pytest's -k, "-" read as "and")
 #   server-kimi  the server stage with Kimi-K2.5 and the MLA drafter
+#   speed  bench_eagle3.py speed: plain vs EAGLE-3 decode tok/s, interleaved
+#          repeats (needs bench-prod's artifacts.tar.gz, or SPEED_ARTIFACTS)
+#   project  project.py run: per-rank DeepSeek-V3 (TP = 8) step times at a
+#          few layer counts, for the 61-layer projection
 #   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
 #          (KERNELS=DIR: set up with an earlier build instead of the stand-ins)
 # Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
@@ -98,11 +102,20 @@ for s in $STAGES; do
       # warm-up is for fp8 GEMMs, which these bf16 models have none of.
       stage "$s" ${DSA_LIMIT_S:-540} "$OUT/$s.log" env EAGLE3_HARNESS_DSA=1 VLLM_DEEP_GEMM_WARMUP=skip \
         python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "$(k=${s#dsa-}; echo "${k//-/ and }")" ${DSA_PYTEST_ARGS:-} ;;
+    speed)
+      # The trained pair of an earlier bench-prod stage in this call (or SPEED_ARTIFACTS).
+      rm -rf /tmp/speed-art && mkdir -p /tmp/speed-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/speed-art \
+        && stage speed ${SPEED_LIMIT_S:-400} "$OUT/speed.log" python3 tools/gpu_harness/bench_eagle3.py speed \
+             --artifacts /tmp/speed-art --out "$OUT/bench" ${SPEED_ARGS:-} ;;
+    project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
+               --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
     kernels) ;;  # built above, before setup
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
 for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
+[[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
+[[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
 exit 0

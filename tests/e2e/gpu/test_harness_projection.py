@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tools/gpu_harness/project.py on CPU: the per-rank geometry it serves is
+1/8 of the published DeepSeek-R1 config and SpecForge drafter, and its line
+fit and projection agree with numpy's least squares. The timing itself runs
+on a GPU (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import project
+from gpu_e2e_helpers import REPO_ROOT
+
+PUBLISHED = REPO_ROOT / "tests" / "v1" / "spec_decode" / "published_configs"
+
+
+def _cfg(name):
+    return json.loads((PUBLISHED / name / "config.json").read_text())
+
+
+def test_deepseek_v3_rank_geometry_is_an_eighth_of_the_published_config():
+    full = _cfg("deepseek-r1-0528-target-ttmetal")
+    g = project.geometry(full, 6)
+    assert (g["num_attention_heads"], g["moe_intermediate_size"], g["intermediate_size"], g["vocab_size"]) == (
+        128 // 8, 2048 // 8, 18432 // 8, 129280 // 8)
+    # Unsplit under TP: hidden size, the MLA latent, the experts and routing.
+    for k in ("hidden_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+              "v_head_dim", "n_routed_experts", "num_experts_per_tok", "first_k_dense_replace", "rope_scaling"):
+        assert g[k] == full[k], k
+    assert g["num_hidden_layers"] == 6 and "quantization_config" not in g  # fp8 release served as bf16
+    with pytest.raises(ValueError, match="no MoE layer"):
+        project.geometry(full, 3)
+
+
+def test_drafter_rank_geometry():
+    t = project.geometry(_cfg("deepseek-r1-0528-target-ttmetal"), 6)
+    d = project.drafter_geometry(_cfg("specforge-deepseek-v3-671b-eagle3"), t, [1, 3, 5])
+    assert (d["num_attention_heads"], d["num_key_value_heads"], d["intermediate_size"]) == (56 // 8, 1, 40960 // 8)
+    assert d["hidden_size"] // 56 == 128  # head dim unchanged: FA3's hdim128
+    assert d["vocab_size"] == d["draft_vocab_size"] == t["vocab_size"] and "eagle_config" not in d
+    assert d["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+
+
+def test_fit_and_projection_against_numpy():
+    layers = [4, 6, 8]
+    plain = [3.1, 4.05, 5.2]
+    eagle = [7.0, 8.9, 11.1]
+    out = project.project({"plain": dict(zip(layers, plain)), "eagle3": dict(zip(layers, eagle))})
+    for name, ys in (("plain", plain), ("eagle3", eagle)):
+        b, a = np.polyfit(layers, ys, 1)
+        f = out["fits"][name]
+        assert f["a_ms"] == pytest.approx(a) and f["b_ms_per_layer"] == pytest.approx(b)
+        assert out["projected_step_ms"][name] == pytest.approx(np.polyval([b, a], 61))
+        assert f["max_relative_residual"] == pytest.approx(max(abs(np.polyval([b, a], x) - y) / y
+                                                               for x, y in zip(layers, ys)))
+    ratio = np.polyval(np.polyfit(layers, plain, 1), 61) / np.polyval(np.polyfit(layers, eagle, 1), 61)
+    assert out["projected_speedup"]["3.0"] == pytest.approx(3.0 * ratio)
+    with pytest.raises(ValueError, match="fewer than three"):
+        project.fit_line([4, 6], [1.0, 2.0])

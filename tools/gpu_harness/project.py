@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Project EAGLE-3's speed-up to the 61-layer models users serve at TP = 8, from step times of their per-rank geometry.
+
+    python3 tools/gpu_harness/project.py run --model deepseek-v3 --layers 4,6,8 --out DIR   (a GPU)
+    python3 tools/gpu_harness/project.py fit DIR/project_deepseek-v3.json                    (anywhere)
+
+At tensor parallelism 8 each GPU runs 1/8 of every layer: 1/8 of the
+attention heads, of each expert's intermediate width and of the dense MLP,
+with the full hidden size. ``geometry()`` derives that per-rank target from a
+published config (tests/v1/spec_decode/published_configs, PROVENANCE.md),
+and the drafter likewise from a published SpecForge drafter config
+(the vocabulary, and so the LM head, is split over the ranks too); ``run``
+serves them with random weights (``load_format="dummy"``: step time does not
+depend on the values) at a few layer counts, times plain decode steps and
+EAGLE-3 steps (k = 3: one verify of k + 1 tokens and k drafter passes), and
+``fit`` fits T(L) = a + b * L to each, reports how well a line fits, and
+projects the 61-layer step times and the speed-up at the acceptance lengths
+published for these drafters.
+
+Every projected figure is a projection. It leaves out the all-reduce between
+the 8 ranks (two per layer, after attention and after the MoE), which the
+seeds measured at 51.5 % of decode time on PCIe GPUs: a per-step cost that a
+plain step and a verify step pay about equally (both are latency-bound at
+these token counts), so adding it moves the speed-up toward the acceptance
+length, and leaving it out understates the speed-up. It also leaves out
+expert parallelism, the fp8 weights of the DeepSeek release (bf16 here) and
+the scheduler's own per-step cost at 8 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PUBLISHED = REPO_ROOT / "tests" / "v1" / "spec_decode" / "published_configs"
+TP = 8
+K = 3
+FULL_LAYERS = 61
+ACCEPTANCE_LENGTHS = (2.5, 3.0, 3.5)  # the published range (README, docs/gpu.md)
+MODELS = {
+    # target config, drafter config
+    "deepseek-v3": ("deepseek-r1-0528-target-ttmetal", "specforge-deepseek-v3-671b-eagle3"),
+    # Kimi-K2.5 INT4 needs its published config.json verbatim (quantization_config
+    # included) as a fixture; no stored snapshot of moonshotai/Kimi-K2.5 has it yet.
+}
+
+
+def _shard(value: int, what: str) -> int:
+    if value % TP:
+        raise ValueError(f"{what} = {value} does not split over TP = {TP}")
+    return value // TP
+
+
+def geometry(target: dict, layers: int) -> dict:
+    """One rank's share of a DeepSeek-V3-architecture target at TP = 8, with
+    ``layers`` layers (the first ``first_k_dense_replace`` dense, as published)."""
+    cfg = dict(target)
+    dense = cfg.get("first_k_dense_replace", 0)
+    if layers <= dense:
+        raise ValueError(f"{layers} layers leave no MoE layer after {dense} dense ones")
+    heads = _shard(cfg["num_attention_heads"], "num_attention_heads")
+    cfg.update(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+               moe_intermediate_size=_shard(cfg["moe_intermediate_size"], "moe_intermediate_size"),
+               intermediate_size=_shard(cfg["intermediate_size"], "intermediate_size"),
+               vocab_size=_shard(cfg["vocab_size"], "vocab_size"), num_nextn_predict_layers=0)
+    # bf16 everywhere but the routed experts of an INT4 release (see the docstring).
+    q = cfg.get("quantization_config")
+    if q and q.get("quant_method") != "compressed-tensors":
+        cfg.pop("quantization_config")
+    return cfg
+
+
+def drafter_geometry(drafter: dict, target: dict, aux_ids: list[int]) -> dict:
+    """The drafter's share at TP = 8 against ``target`` (a geometry()). Its
+    draft vocabulary is the target's rank share with no d2t map: random d2t
+    offsets would draft ids outside the vocabulary, and the larger head
+    overstates the drafter's cost, never understates it."""
+    cfg = dict(drafter)
+    cfg.update(vocab_size=target["vocab_size"], draft_vocab_size=target["vocab_size"],
+               num_attention_heads=_shard(cfg["num_attention_heads"], "drafter num_attention_heads"),
+               num_key_value_heads=max(1, cfg["num_key_value_heads"] // TP),
+               intermediate_size=_shard(cfg["intermediate_size"], "drafter intermediate_size"),
+               eagle_aux_hidden_state_layer_ids=aux_ids)
+    cfg.pop("eagle_config", None)
+    return cfg
+
+
+def fit_line(xs: list[float], ys: list[float]) -> dict:
+    """Least squares T = a + b * L, with the largest relative residual (how
+    far the points are from a line)."""
+    n = len(xs)
+    if n < 3:
+        raise ValueError("a line through fewer than three layer counts shows nothing")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    resid = max(abs(a + b * x - y) / y for x, y in zip(xs, ys))
+    return {"a_ms": a, "b_ms_per_layer": b, "max_relative_residual": resid}
+
+
+def project(points: dict[str, dict[int, float]], layers: int = FULL_LAYERS,
+            acceptance=ACCEPTANCE_LENGTHS) -> dict:
+    """points: {"plain"|"eagle3": {layers: step ms}} -> fits, projected step
+    times and speed-ups (acceptance length x plain step / EAGLE-3 step)."""
+    fits = {n: fit_line(sorted(p), [p[k] for k in sorted(p)]) for n, p in points.items()}
+    at = {n: f["a_ms"] + f["b_ms_per_layer"] * layers for n, f in fits.items()}
+    return {"fits": fits, "projected_layers": layers, "projected_step_ms": at,
+            "projected_speedup": {str(al): al * at["plain"] / at["eagle3"] for al in acceptance},
+            "label": "projection: per-rank compute only, no all-reduce (see project.py)"}
+
+
+def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_tokens: int = 64) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
+    import gpu_e2e_helpers as h
+
+    h.configure_env()
+    tname, dname = MODELS[model]
+    target = json.loads((PUBLISHED / tname / "config.json").read_text())
+    drafter = json.loads((PUBLISHED / dname / "config.json").read_text())
+    work = Path(tempfile.mkdtemp(prefix=f"project-{model}-"))
+    res = {"model": model, "tp": TP, "k": K, "gen_tokens": gen_tokens, "layers": layer_counts,
+           "command": " ".join([Path(sys.executable).name, *sys.argv]), "step_ms": {}}
+    from vllm import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+    for L in layer_counts:
+        tdir, ddir = work / f"target{L}", work / f"drafter{L}"
+        tcfg = geometry(target, L)
+        for d, cfg in ((tdir, tcfg), (ddir, drafter_geometry(drafter, tcfg, [1, L // 2, L - 1]))):
+            d.mkdir(parents=True)
+            (d / "config.json").write_text(json.dumps(cfg, indent=1))
+        for name, dr in (("plain", None), ("eagle3", ddir)):
+            llm = LLM(**h.engine_kwargs(tdir, dr, load_format="dummy", max_num_seqs=max(batches),
+                                        skip_tokenizer_init=True))
+            try:
+                facts = h.engine_facts(llm)
+                for b in batches:
+                    prompts = [{"prompt_token_ids": [7 + i] * 16} for i in range(b)]
+                    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+                    before = h.spec_counters(llm)
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, sp, use_tqdm=False)
+                    dt = time.perf_counter() - t0
+                    d = h.counters_delta(before, h.spec_counters(llm))
+                    # Steps per request: one per token plain; one per draft with EAGLE-3.
+                    steps = gen_tokens if dr is None else d["num_drafts"] / b
+                    res["step_ms"].setdefault(f"batch{b}", {}).setdefault(name, {})[L] = 1000 * dt / steps
+                res.setdefault("engine", {})[f"{name}_{L}"] = facts
+            finally:
+                h.shutdown(llm)
+            print("STEP", model, L, name, json.dumps({b: v[name].get(L) for b, v in res["step_ms"].items()}),
+                  flush=True)
+    res["projection"] = {b: project(v) for b, v in res["step_ms"].items()}
+    (out / f"project_{model}.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main(argv=None) -> int:
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(prog="project.py", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--model", choices=MODELS, required=True)
+    r.add_argument("--layers", type=lambda t: [int(x) for x in t.split(",")], default=[4, 6, 8])
+    r.add_argument("--out", type=Path, required=True)
+    f = sub.add_parser("fit")
+    f.add_argument("result", type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        args.out.mkdir(parents=True, exist_ok=True)
+        res = run(args.model, args.layers, args.out)
+    else:
+        res = json.loads(args.result.read_text())
+        res["projection"] = {b: project({n: {int(k): v for k, v in p.items()} for n, p in pts.items()})
+                             for b, pts in res["step_ms"].items()}
+    print(json.dumps(res["projection"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
