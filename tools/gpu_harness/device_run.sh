@@ -26,6 +26,8 @@
 #          repeats (needs bench-prod's artifacts.tar.gz, or SPEED_ARTIFACTS)
 #   project  project.py run: per-rank DeepSeek-V3 (TP = 8) step times at a
 #          few layer counts, for the 61-layer projection
+#   backends  prod_check.py backends: the target forced to each MLA backend,
+#          plain and with each drafter (served / refused at start / failed)
 #   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
 #          (KERNELS=DIR: set up with an earlier build instead of the stand-ins)
 # Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
@@ -109,12 +111,13 @@ for s in $STAGES; do
              --artifacts /tmp/speed-art --out "$OUT/bench" ${SPEED_ARGS:-} ;;
     project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
                --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
+    backends) stage backends ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py backends --out "$OUT/prod" ;;
     kernels) ;;  # built above, before setup
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
+for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^MATRIX|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }

@@ -17,6 +17,10 @@ records its tokens, the spec-decode counters and the greedy agreement with
 plain decoding (bf16: reported, not asserted). One failing run does not stop
 the others; its traceback goes into the JSON.
 
+``backends`` forces the target's attention to each MLA backend in turn,
+plain and with each drafter, and records which serve, which are refused at
+engine start (and with what message) and which fail after starting.
+
 ``server`` starts ``python -m vllm.entrypoints.openai.api_server`` with the
 DeepSeek-V3 target and the Llama drafter (``--kimi``: Kimi-K2.5 and the MLA
 drafter), sends concurrent completions with
@@ -122,6 +126,38 @@ def offline(out: Path, work: Path, only: str | None = None) -> None:
         {"profile": h.profile(), "harness": h.harness_in_use(), "runs": runs}, indent=1))
 
 
+MLA_BACKENDS = ("FLASH_ATTN_MLA", "TRITON_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA")
+
+
+def outcome(rec: dict) -> str:
+    """served, refused at engine start, or failed after the engine started
+    (the one outcome a forced backend must never have)."""
+    if rec.get("ok"):
+        return "served"
+    return "failed mid-run" if "engine_start_s" in rec else "refused at start"
+
+
+def backends(out: Path, work: Path) -> None:
+    """DeepSeek-V3 with the target's attention forced to each MLA backend,
+    plain and with each drafter: the matrix of what serves and what is
+    refused at engine start (with the error, which must name the fix)."""
+    h.configure_env()
+    m = write_models(work)
+    prompts = h.token_prompts([3, 17, 41, 90], seed=h.DSV3_PROMPT_SEED)
+    rows = []
+    # EAGLE3_BACKENDS narrows the matrix so that it fits several device calls.
+    chosen = [b for b in os.environ.get("EAGLE3_BACKENDS", ",".join(MLA_BACKENDS)).split(",") if b]
+    for backend in chosen:
+        for dname in (None, "llama_drafter", "mla_drafter_kimi_k2"):
+            rec = _run(f"deepseek_v3/{backend}/{dname or 'plain'}", m["deepseek_v3"], prompts,
+                       drafter=m[dname] if dname else None, attention_backend=backend)
+            rows.append({"backend": backend, "drafter": dname, "outcome": outcome(rec),
+                         "error": rec.get("error"), "engine": rec.get("engine"),
+                         "traceback": rec.get("traceback")})
+            print("MATRIX", backend, dname, rows[-1]["outcome"], (rec.get("error") or "")[:300], flush=True)
+    (out / f"prod_backends_{'_'.join(chosen)}.json").write_text(json.dumps({"profile": h.profile(), "rows": rows}, indent=1))
+
+
 def server(out: Path, work: Path, port: int = 8011, target: Path | None = None,
            drafter: Path | None = None, kimi: bool = False) -> None:
     """With --target/--drafter (e.g. bench_eagle3.py's trained pair) the
@@ -215,7 +251,7 @@ def server(out: Path, work: Path, port: int = 8011, target: Path | None = None,
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["offline", "server"])
+    ap.add_argument("what", choices=["offline", "server", "backends"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/eagle3_prod_work"))
     ap.add_argument("--only", choices=["deepseek_v3", "kimi_k25"], help="offline: one target")
@@ -227,6 +263,8 @@ def main(argv=None):
     args.work.mkdir(parents=True, exist_ok=True)
     if args.what == "offline":
         offline(args.out, args.work, args.only)
+    elif args.what == "backends":
+        backends(args.out, args.work)
     else:
         server(args.out, args.work, target=args.target, drafter=args.drafter, kimi=args.kimi)
 
