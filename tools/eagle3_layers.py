@@ -1,9 +1,14 @@
-"""Which target layers an EAGLE-3 drafter is fed, and a converter between
-layer-numbering conventions.
+"""Which target layers an EAGLE-3 drafter is fed, whether it fits its target,
+and a converter between layer-numbering conventions.
 
     python -m tools.eagle3_layers show DRAFTER_DIR [--target TARGET_DIR]
+    python -m tools.eagle3_layers check DRAFTER_DIR --target TARGET_DIR
     python -m tools.eagle3_layers convert DRAFTER_DIR --from output-of-layer|input-of-layer
                                   [--ids K,K,K] [--target TARGET_DIR] [--out DIR]
+
+``check`` reads both configs through vLLM and the drafter's safetensors
+headers (never the weights) and prints one line per check, ``FAIL  <problem>;
+fix: <fix>`` for each problem; exit 1 when there is one (tools/eagle3_fit.py).
 
 In vLLM an aux id k is the INPUT of target layer k; SGLang, SpecForge and
 speculators' data generation count the OUTPUT of layer k, which is vLLM's id
@@ -281,7 +286,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="refuse ids outside [0, n] for this target")
     cp.add_argument("--out", type=Path, metavar="DIR",
                     help="write a converted copy here instead of converting in place")
+    kp = sub.add_parser("check", help="preflight: does the drafter fit the target? "
+                                      "(configs and safetensors headers only)")
+    kp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR")
+    kp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True)
+    kp.add_argument("--trust-remote-code", action="store_true")
     args = ap.parse_args(argv)
+    if args.cmd == "check":
+        # vLLM's INFO lines would bury the report.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        _series_reader()
+        from tools.eagle3_fit import check
+
+        lines, problems = check(args.drafter, args.target, args.trust_remote_code)
+        print("\n".join(lines))
+        return 1 if problems else 0
     print("\n".join(show(args.drafter, args.target) if args.cmd == "show" else
                     convert(args.drafter, args.convention, out=args.out, target=args.target,
                             ids=args.ids)))
