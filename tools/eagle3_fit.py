@@ -429,3 +429,346 @@ def _finish(rep: Report) -> tuple[list[str], int]:
     rep.lines.append("the pair fits" if not rep.problems else
                      f"{rep.problems} problem{'s' * (rep.problems > 1)}: the pair does not fit")
     return rep.lines, rep.problems
+
+
+# ------------------------------------------------------------------ calibrate
+
+READINGS = ("input-of-layer", "output-of-layer")
+K = 3
+MIN_GAP = 0.05  # mean acceptance length, on top of 3 standard errors
+# Text a chat model continues predictably; any file of one prompt a line will do.
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Monday, Tuesday, Wednesday, Thursday,",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Speculative decoding drafts several tokens and the target model",
+    "import numpy as np\nimport torch\nfrom torch import",
+    "Water boils at 100 degrees Celsius and freezes at",
+    "Once upon a time, in a small village by the sea, there lived",
+)
+# The CPU engine as the CPU end-to-end tests run it (tests/e2e/cpu harness):
+# no MLA kernels on CPU, in-process so the capture hooks reach the runner,
+# and the rotary custom op off (v0.16.0's CPU kernel mis-rotates DeepSeek's
+# strided q_pe).
+CPU_ENV = {"VLLM_MLA_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Acceptance:
+    """Per-position accepted counts of N drafts of K tokens each: what vLLM's
+    spec-decode metrics count (num_drafts, num_accepted_tokens_per_pos)."""
+
+    def __init__(self, drafts: int, per_pos: list[int]) -> None:
+        self.drafts, self.per_pos = drafts, per_pos
+
+    def mean_length(self) -> float:
+        return 1 + sum(self.per_pos) / self.drafts if self.drafts else float("nan")
+
+    def variance(self) -> float:
+        """Of the accepted count per draft: count(a >= j) gives count(a == j)."""
+        counts = [self.drafts - self.per_pos[0]] + [
+            a - b for a, b in zip(self.per_pos, self.per_pos[1:] + [0])]
+        mean = self.mean_length() - 1
+        return sum(c * (j - mean) ** 2 for j, c in enumerate(counts)) / max(1, self.drafts - 1)
+
+    def line(self, reading: str) -> str:
+        rates = " ".join(f"{c / self.drafts:.2f}" for c in self.per_pos)
+        return (f"{reading:>15}: mean acceptance length {self.mean_length():.2f} "
+                f"over {self.drafts} drafts; accepted at position 1..{len(self.per_pos)}: {rates}")
+
+
+def verdict(results: dict[str, Acceptance | None]) -> tuple[str, str]:
+    """(verdict, why). A reading wins when its mean acceptance length beats
+    the other's by at least MIN_GAP and by 3 standard errors of the
+    difference; a reading the target cannot capture (an id past its last
+    layer) loses only if the other beats no acceptance at all by the same
+    margin."""
+    a, b = results["input-of-layer"], results["output-of-layer"]
+    zero = Acceptance(max(1, (a or b).drafts), [0] * K)  # a drafter that never hits
+    a, b = a or zero, b or zero
+    gap = b.mean_length() - a.mean_length()
+    se = (a.variance() / max(1, a.drafts) + b.variance() / max(1, b.drafts)) ** 0.5
+    need = max(MIN_GAP, 3 * se)
+    why = f"difference {gap:+.2f} (output - input), needed {need:.2f}"
+    if abs(gap) < need:
+        return "undetermined", why
+    return ("output-of-layer" if gap > 0 else "input-of-layer"), why
+
+
+def _chained_drafts(model: Any, tokens: Any, fused: Any, start: int, k: int) -> list[int]:
+    """k greedy drafts from row ``start`` as the EAGLE proposer chains them:
+    row i reads token i + 1 at position i with the target's fused state i; each
+    later step appends the last draft at the next position with the drafter's
+    own returned hidden state. Rows are recomputed causally each step, which
+    is what the KV cache holds."""
+    import torch
+
+    ids, pos, hid = tokens[1:start + 2], torch.arange(start + 1), fused[:start + 1]
+    drafts = []
+    for _ in range(k):
+        out, back = model(ids, pos, hid)
+        d = int(model.compute_logits(out[-1:]).argmax(-1))
+        drafts.append(d)
+        ids = torch.cat([ids, ids.new_tensor([d])])
+        pos = torch.cat([pos, pos[-1:] + 1])
+        hid = torch.cat([hid, back[-1:]])
+    return drafts
+
+
+class _CausalAttention:
+    """Stands in for vLLM's paged Attention layer (whose KV cache and metadata
+    only a scheduled engine step has): the same q/k/v in, softmax attention
+    over the rows so far out."""
+
+    def __init__(self, attn: Any) -> None:
+        self.h, self.kvh = attn.num_heads, attn.num_kv_heads
+        self.d, self.dv, self.scale = attn.head_size, attn.head_size_v, attn.impl.scale
+
+    def __call__(self, q: Any, k: Any, v: Any, *args: Any, **kw: Any) -> Any:
+        import torch.nn.functional as F
+
+        T = q.shape[0]
+        q, k, v = (t.reshape(T, n, -1).transpose(0, 1)
+                   for t, n in ((q, self.h), (k, self.kvh), (v, self.kvh)))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                             enable_gqa=self.h != self.kvh)
+        return out.transpose(0, 1).reshape(T, -1)
+
+
+def _worker_capture(worker: Any, layers: tuple[int, ...]) -> None:
+    """On the engine's worker: capture ``layers`` (the model's SupportsEagle3
+    hook, as GPUModelRunner._set_eagle3_aux_layers calls it) and keep every
+    step's aux states with its request ids and token counts."""
+    runner = worker.model_runner
+    runner.get_model().set_aux_hidden_state_layers(layers)
+    runner.use_aux_hidden_state_outputs = True
+    log: list[dict[str, Any]] = []
+    worker.eagle3_calibrate_log = log
+    original = runner.execute_model
+
+    def execute_model(sched: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(sched, *args, **kwargs)
+        state, n = runner.execute_model_state, sched.total_num_scheduled_tokens
+        if state is not None and n:
+            req_ids = list(runner.input_batch.req_ids)
+            log.append({"counts": [(r, sched.num_scheduled_tokens[r]) for r in req_ids],
+                        "ids": runner.input_ids.cpu[:n].tolist(),
+                        "aux": [a[:n].clone() for a in state.aux_hidden_states]})
+        return out
+
+    runner.execute_model = execute_model
+
+
+def _worker_score(worker: Any, drafter: str, layers: tuple[int, ...],
+                  readings: dict[str, tuple[int, ...]], seqs: list[dict[str, Any]],
+                  k: int) -> dict[str, Acceptance]:
+    """On the worker: load the drafter as the EAGLE proposer does (its own
+    load_model: vLLM's loader, embeddings and lm_head shared from the target
+    when the checkpoint has none), then replay greedy speculative decoding
+    for each reading."""
+    import torch
+    from vllm.config import SpeculativeConfig
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.worker.cpu_model_runner import _torch_cuda_wrapper
+
+    runner = worker.model_runner
+    config = runner.vllm_config
+    config.speculative_config = SpeculativeConfig(
+        method="eagle3", model=drafter, num_speculative_tokens=k,
+        target_model_config=runner.model_config, target_parallel_config=runner.parallel_config)
+    try:
+        with _torch_cuda_wrapper():
+            proposer = EagleProposer(config, runner.device, runner)
+        proposer.load_model(runner.get_model())
+    finally:
+        config.speculative_config = None
+    model = proposer.model.eval()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Attention):
+                object.__setattr__(module, name, _CausalAttention(child))
+    results = {}
+    with torch.inference_mode():
+        for reading, ids in readings.items():
+            drafts, per_pos = 0, [0] * k
+            cols = [layers.index(i) for i in ids]
+            for seq in seqs:
+                tokens, prompt_len = seq["tokens"], seq["prompt_len"]
+                aux = torch.cat([seq["aux"][c] for c in cols], dim=-1)
+                with set_forward_context(None, config, num_tokens=len(tokens)):
+                    fused = model.combine_hidden_states(aux.to(runner.model_config.dtype))
+                    t = prompt_len - 1
+                    while t + 1 + k < len(tokens):
+                        want = tokens[t + 2:t + 2 + k].tolist()
+                        got = _chained_drafts(model, tokens, fused, t, k)
+                        a = next((j for j in range(k) if got[j] != want[j]), k)
+                        drafts += 1
+                        for j in range(a):
+                            per_pos[j] += 1
+                        t += a + 1  # the target keeps a drafts and adds its own token
+            results[reading] = Acceptance(drafts, per_pos)
+    return results
+
+
+def _rows(log: list[dict[str, Any]], prompts: list[list[int]], outputs: list[list[int]]
+          ) -> list[dict[str, Any]]:
+    """Per prompt: its tokens (prompt + greedy output) and, per captured
+    layer, the state of every token fed (the last sampled one never is)."""
+    import torch
+
+    fed: dict[str, list[int]] = {}
+    aux: dict[str, list[list[Any]]] = {}
+    for step in log:
+        start = 0
+        for req, count in step["counts"]:
+            fed.setdefault(req, []).extend(step["ids"][start:start + count])
+            aux.setdefault(req, []).append([a[start:start + count] for a in step["aux"]])
+            start += count
+    seqs = []
+    for prompt, output in zip(prompts, outputs):
+        tokens = prompt + output
+        req = next((r for r, ids in fed.items() if ids == tokens[:-1]), None)
+        if req is None:
+            raise StackError("the engine's captured rows match no prompt: was prefix caching "
+                             "on, or did a request stop early?")
+        seqs.append({"tokens": torch.tensor(tokens), "prompt_len": len(prompt),
+                     "aux": [torch.cat(col) for col in zip(*aux.pop(req))]})
+        del fed[req]
+    return seqs
+
+
+def _read_prompts(path: Path | None) -> list[str]:
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    try:
+        prompts = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    except OSError as e:
+        raise StackError(f"cannot read --prompts {path}: {e}") from None
+    if not prompts:
+        raise StackError(f"--prompts {path} holds no prompt (one a line)")
+    return prompts
+
+
+@contextlib.contextmanager
+def _engine(**kwargs: Any) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm = None
+    try:
+        llm = LLM(**kwargs)
+        yield llm
+    finally:
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+
+
+def _replay(drafter: Path, target: Path, readings: dict[str, tuple[int, ...]],
+            prompts: list[str], max_tokens: int, engine_args: dict[str, Any]
+            ) -> dict[str, Acceptance]:
+    """The CPU path: one real engine run of the target that captures the
+    layers of both readings, then vLLM's drafter class replaying greedy
+    speculative decoding over those states."""
+    from vllm import SamplingParams
+
+    layers = tuple(sorted({k for ids in readings.values() for k in ids}))
+    kwargs = {"model": str(target), "seed": 0, "enforce_eager": True, "max_model_len": 1024,
+              "dtype": "float32",
+              "enable_prefix_caching": False, "max_num_seqs": 8,
+              "compilation_config": {"custom_ops": ["-rotary_embedding"]}, **engine_args}
+    with _env(**CPU_ENV), _engine(**kwargs) as llm:
+        llm.collective_rpc(_worker_capture, args=(layers,))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        log = llm.collective_rpc(lambda worker: worker.eagle3_calibrate_log)[0]
+        seqs = _rows(log, [list(o.prompt_token_ids) for o in outs],
+                     [list(o.outputs[0].token_ids) for o in outs])
+        return llm.collective_rpc(_worker_score,
+                                  args=(str(drafter), layers, readings, seqs, K))[0]
+
+
+def _spec_decode(drafter: Path, target: Path, readings: dict[str, tuple[int, ...]],
+                 prompts: list[str], max_tokens: int, engine_args: dict[str, Any],
+                 has_ids: bool) -> dict[str, Acceptance]:
+    """The GPU path: serve the target with the drafter, once per reading (a
+    converted copy with the reading's ids top-level), and read the engine's
+    own spec-decode counters."""
+    from vllm import SamplingParams
+
+    from tools.eagle3_layers import convert
+
+    results = {}
+    for reading, ids in readings.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "drafter"
+            convert(drafter, reading, out=copy, target=target,
+                    ids=None if has_ids else tuple(k - (reading == READINGS[1]) for k in ids))
+            spec = {"method": "eagle3", "model": str(copy), "num_speculative_tokens": K}
+            with _engine(model=str(target), speculative_config=spec, seed=0,
+                         disable_log_stats=False, **engine_args) as llm:
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                     ignore_eos=True), use_tqdm=False)
+                metrics = {m.name: m for m in llm.get_metrics()}
+        per_pos = [int(x) for x in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
+        results[reading] = Acceptance(int(metrics["vllm:spec_decode_num_drafts"].value), per_pos)
+    return results
+
+
+def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
+              max_tokens: int = 64, write: bool = False, via: str = "auto",
+              engine_args: dict[str, Any] | None = None) -> tuple[list[str], str]:
+    """Lines to print and the verdict."""
+    from vllm.platforms import current_platform
+
+    drafter, target = Path(drafter), Path(target)
+    for what, d in (("drafter", drafter), ("target", target)):
+        if not (d / "config.json").is_file():
+            raise StackError(f"{d}/config.json does not exist: pass the {what}'s directory")
+    engine_args = dict(engine_args or {})
+    trust = bool(engine_args.get("trust_remote_code"))
+    tcfg, spec = configs(drafter, target, trust)
+    n = tcfg.hf_text_config.num_hidden_layers
+    try:
+        ids, source = engine_ids(spec.draft_model_config.hf_config, n)
+    except ValueError as e:
+        raise StackError(f"vLLM refuses the drafter's ids: {e}") from None
+    wanted = {READINGS[0]: ids, READINGS[1]: tuple(k + 1 for k in ids)}
+    readings = {r: v for r, v in wanted.items() if all(0 <= k <= n for k in v)}
+    if not readings:
+        raise StackError(f"aux ids {list(ids)} ({source}) are outside [0, {n}] under either "
+                         "reading: is --target the drafter's target? (`check` says more)")
+    if via == "auto":
+        via = "replay" if current_platform.is_cpu() else "spec-decode"
+    texts = _read_prompts(prompts)
+    lines = [f"drafter {drafter}, target {target} ({n} layers): aux ids {list(ids)} from "
+             f"{source}", f"{len(texts)} prompts x {max_tokens} greedy tokens, k = {K}, "
+             + ("replayed by vLLM's drafter class over the states the CPU engine captured"
+                if via == "replay" else "measured by the engine's spec-decode counters")]
+    for reading, v in wanted.items():
+        lines.append(f"{reading:>15}: vLLM ids {list(v)}" + ("" if reading in readings else
+                     f": not capturable, id {max(v)} is past the last layer ({n})"))
+    if via == "replay":
+        results = _replay(drafter, target, readings, texts, max_tokens, engine_args)
+    else:
+        results = _spec_decode(drafter, target, readings, texts, max_tokens, engine_args,
+                               source.startswith(("top", "nested")))
+    for reading in READINGS:
+        if reading in results:
+            lines.append(results[reading].line(reading))
+    result, why = verdict({r: results.get(r) for r in READINGS})
+    lines += [f"margin rule: {why}", f"verdict: {result}"]
+    if write:
+        if result == "undetermined":
+            raise StackError("\n".join(lines) + "\nnothing written: the verdict is "
+                             "undetermined (more or longer prompts narrow the margin)")
+        from tools.eagle3_layers import convert
+
+        has_ids = source.startswith(("top", "nested"))
+        lines += convert(drafter, result, target=target, ids=None if has_ids else ids)
+    return lines, result
