@@ -68,6 +68,22 @@ def _ckpt_key(name: str) -> str:
 
 
 @contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """gloo prints a line per process group on file descriptor 1, into the report."""
+    import sys
+
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
 def _one_process_world() -> Iterator[None]:
     """vLLM's parallel layers need a tensor-parallel group: a gloo world of one."""
     from vllm.distributed import parallel_state as ps
@@ -76,9 +92,11 @@ def _one_process_world() -> Iterator[None]:
         yield
         return
     with tempfile.TemporaryDirectory() as tmp:
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"file://{tmp}/init")
-        ps.ensure_model_parallel_initialized(1, 1)
+        with _quiet_stdout():
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                            backend="gloo",
+                                            distributed_init_method=f"file://{tmp}/init")
+            ps.ensure_model_parallel_initialized(1, 1)
         try:
             yield
         finally:
@@ -294,11 +312,10 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool) -> tuple[list[s
     else:
         rep.ok(f"aux ids {list(ids)} from {source}: in [0, {n}], ascending")
     if source.startswith("nested"):
-        rep.warn(f"the ids come only from {NESTED}, whose writers (SGLang, SpecForge, "
-                 "TorchSpec training, ModelOpt) number by output: served as they are, the "
-                 f"drafter gets the inputs of layers {list(ids)}; if they count outputs it "
-                 f"needs vLLM ids {[k + 1 for k in ids]}. `calibrate` measures which, "
-                 f"`convert` writes {TOP} (and ends the engine's warning)")
+        rep.warn(f"ids only in {NESTED}, which SGLang, SpecForge, TorchSpec training and "
+                 f"ModelOpt number by output: as read, inputs of layers {list(ids)}; as outputs, "
+                 f"vLLM ids {[k + 1 for k in ids]}. `calibrate` measures which, `convert` "
+                 f"writes {TOP}")
 
     is_mla_drafter = cls is getattr(deepseek_eagle3, "Eagle3DeepseekV2ForCausalLM", None)
     if is_mla_drafter and tcfg.is_deepseek_mla:
@@ -472,9 +489,9 @@ class Acceptance:
         mean = self.mean_length() - 1
         return sum(c * (j - mean) ** 2 for j, c in enumerate(counts)) / max(1, self.drafts - 1)
 
-    def line(self, reading: str) -> str:
+    def line(self, label: str) -> str:
         rates = " ".join(f"{c / self.drafts:.2f}" for c in self.per_pos)
-        return (f"{reading:>15}: mean acceptance length {self.mean_length():.2f} "
+        return (f"{label}: mean acceptance length {self.mean_length():.2f} "
                 f"over {self.drafts} drafts; accepted at position 1..{len(self.per_pos)}: {rates}")
 
 
@@ -659,7 +676,8 @@ def _engine(**kwargs: Any) -> Iterator[Any]:
 
     llm = None
     try:
-        llm = LLM(**kwargs)
+        with _quiet_stdout():
+            llm = LLM(**kwargs)
         yield llm
     finally:
         if llm is not None:
@@ -750,17 +768,15 @@ def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
              f"{source}", f"{len(texts)} prompts x {max_tokens} greedy tokens, k = {K}, "
              + ("replayed by vLLM's drafter class over the states the CPU engine captured"
                 if via == "replay" else "measured by the engine's spec-decode counters")]
-    for reading, v in wanted.items():
-        lines.append(f"{reading:>15}: vLLM ids {list(v)}" + ("" if reading in readings else
-                     f": not capturable, id {max(v)} is past the last layer ({n})"))
     if via == "replay":
         results = _replay(drafter, target, readings, texts, max_tokens, engine_args)
     else:
         results = _spec_decode(drafter, target, readings, texts, max_tokens, engine_args,
                                source.startswith(("top", "nested")))
-    for reading in READINGS:
-        if reading in results:
-            lines.append(results[reading].line(reading))
+    for reading, v in wanted.items():
+        label = f"{reading:>15} {list(v)}"
+        lines.append(results[reading].line(label) if reading in results else
+                     f"{label}: not capturable, id {max(v)} is past the last layer ({n})")
     result, why = verdict({r: results.get(r) for r in READINGS})
     lines += [f"margin rule: {why}", f"verdict: {result}"]
     if write:

@@ -334,8 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lp.add_argument("--trust-remote-code", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd in ("check", "calibrate"):
-        # vLLM's INFO lines would bury the report.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's log lines would bury the report; its errors still raise.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         _series_reader()
     if args.cmd == "calibrate":
         from tools.eagle3_fit import calibrate

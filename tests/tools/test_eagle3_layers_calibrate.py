@@ -130,7 +130,8 @@ def calibrate(capfd: pytest.CaptureFixture[str], s: dict[str, Path], drafter: Pa
 
 
 def _mean(out: str, reading: str) -> float:
-    line = next(x for x in out.splitlines() if x.strip().startswith(f"{reading}: mean"))
+    line = next(x for x in out.splitlines() if x.strip().startswith(f"{reading} [")
+                and "mean acceptance length" in x)
     return float(line.split("mean acceptance length ")[1].split()[0])
 
 
@@ -141,8 +142,8 @@ def test_calibrate_names_the_input_of_layer_drafter(setup: dict[str, Path],
     out = calibrate(capfd, setup, d)
     print(out)
     assert "aux ids [1, 3, 5] from top-level eagle_aux_hidden_state_layer_ids" in out
-    assert "input-of-layer: vLLM ids [1, 3, 5]" in out
-    assert "output-of-layer: vLLM ids [2, 4, 6]" in out
+    assert " input-of-layer [1, 3, 5]: mean acceptance length " in out
+    assert "output-of-layer [2, 4, 6]: mean acceptance length " in out
     assert "accepted at position 1..3: " in out
     assert _mean(out, "input-of-layer") > _mean(out, "output-of-layer")
     assert out.rstrip().endswith("verdict: input-of-layer")

@@ -159,15 +159,14 @@ def test_published_drafters_fit_their_targets(tmp_path: Path, targets: dict[str,
     # Nested ids are named as such, with both readings.
     nested = "eagle_aux_hidden_state_layer_ids" in json.loads(
         (d / "config.json").read_text()).get("eagle_config", {})
-    assert ("warn  the ids come only from eagle_config" in out) == nested, out
+    assert ("warn  ids only in eagle_config" in out) == nested, out
 
 
 def test_nested_warning_names_both_readings(tmp_path: Path, targets: dict[str, Path],
                                             capfd: pytest.CaptureFixture[str]) -> None:
     _, out = check(capfd, drafter(tmp_path, "specforge-kimi-k25-eagle3"), targets["kimi"])
     assert "aux ids [2, 30, 58] from nested eagle_config.eagle_aux_hidden_state_layer_ids" in out
-    assert "gets the inputs of layers [2, 30, 58]" in out
-    assert "needs vLLM ids [3, 31, 59]" in out
+    assert "as read, inputs of layers [2, 30, 58]; as outputs, vLLM ids [3, 31, 59]" in out
     assert "`calibrate`" in out and "`convert`" in out
 
 
