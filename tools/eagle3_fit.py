@@ -730,12 +730,22 @@ def _spec_decode(drafter: Path, target: Path, readings: dict[str, tuple[int, ...
             spec = {"method": "eagle3", "model": str(copy), "num_speculative_tokens": K}
             with _engine(model=str(target), speculative_config=spec, seed=0,
                          disable_log_stats=False, **engine_args) as llm:
+                # Differences: the metrics live in the process-wide registry.
+                before = _spec_counts(llm)
                 llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                      ignore_eos=True), use_tqdm=False)
-                metrics = {m.name: m for m in llm.get_metrics()}
-        per_pos = [int(x) for x in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
-        results[reading] = Acceptance(int(metrics["vllm:spec_decode_num_drafts"].value), per_pos)
+                after = _spec_counts(llm)
+        results[reading] = Acceptance(after[0] - before[0],
+                                      [a - b for a, b in zip(after[1], before[1])])
     return results
+
+
+def _spec_counts(llm: Any) -> tuple[int, list[int]]:
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts = metrics.get("vllm:spec_decode_num_drafts")
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return (int(drafts.value) if drafts else 0,
+            [int(x) for x in per_pos.values] if per_pos else [0] * K)
 
 
 def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,

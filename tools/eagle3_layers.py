@@ -331,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lp.add_argument("--via", choices=("auto", "replay", "spec-decode"), default="auto",
                     help="auto: replay on a CPU build, spec-decode otherwise")
     lp.add_argument("--tensor-parallel-size", type=int, default=1)
+    lp.add_argument("--enforce-eager", action="store_true",
+                    help="spec-decode: no torch.compile or CUDA graphs (faster start)")
     lp.add_argument("--trust-remote-code", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd in ("check", "calibrate"):
@@ -342,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         engine_args = {"tensor_parallel_size": args.tensor_parallel_size,
                        "trust_remote_code": args.trust_remote_code}
+        if args.enforce_eager:
+            engine_args["enforce_eager"] = True
         lines, _ = calibrate(args.drafter, args.target, prompts=args.prompts,
                              max_tokens=args.max_tokens, write=args.write, via=args.via,
                              engine_args=engine_args)
