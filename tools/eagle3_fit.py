@@ -783,6 +783,9 @@ def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
     else:
         results = _spec_decode(drafter, target, readings, texts, max_tokens, engine_args,
                                source.startswith(("top", "nested")))
+    if not any(r.drafts for r in results.values()):
+        raise StackError(f"no draft was made in {max_tokens} tokens per prompt: raise "
+                         "--max-tokens (each draft needs k + 1 tokens of continuation)")
     for reading, v in wanted.items():
         label = f"{reading:>15} {list(v)}"
         lines.append(results[reading].line(label) if reading in results else
