@@ -8,7 +8,10 @@ exactly that). Two drafters are trained on them whose configs both say
 [1, 3, 5]: one on the inputs of layers 1, 3, 5 (vLLM's numbering), one on the
 inputs of 2, 4, 6 = the outputs of layers 1, 3, 5 (SpecForge's numbering,
 kept nested as SpecForge writes it). The tool must name each, and an
-untrained drafter must come out undetermined. The drafters are trained and
+untrained drafter must come out undetermined. The replay's numbers for both
+readings equal those of chained drafting computed without vLLM (the GPU
+benchmark's unrolled pure-torch drafter on transformers' states). The
+drafters are trained and
 measured on the same prompts: they memorise the target's continuations,
 which is enough to tell the right layers from their neighbours, not a claim
 that they generalise.
@@ -45,6 +48,17 @@ def _harness() -> Any:
     return sys.modules[HARNESS]
 
 
+def _bench() -> Any:
+    """tools/gpu_harness/bench_eagle3.py: its pure-torch drafter (the math of
+    vLLM's Llama EAGLE-3 drafter) trains the drafters; the tool never uses it."""
+    path = str(REPO_ROOT / "tools" / "gpu_harness")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import bench_eagle3
+
+    return bench_eagle3
+
+
 def _texts(n: int, seed: int) -> list[str]:
     rng, chars = random.Random(seed), "abcdefghijklmnopqrstuvwxyz ,.0123456789"
     return ["".join(rng.choice(chars) for _ in range(rng.randint(8, 20))) for _ in range(n)]
@@ -55,9 +69,9 @@ def _train(root: Path, name: str, states: list[dict[int, torch.Tensor]], seqs: l
            steps: int = 150) -> Path:
     """A tiny drafter (config ids [1, 3, 5]) trained on ``layers``' states
     with the GPU benchmark's training loop (k = 3 unrolled, pure torch)."""
-    sys.path.insert(0, str(REPO_ROOT / "tools" / "gpu_harness"))
-    import bench_eagle3 as bench
     from safetensors.torch import load_file, save_file
+
+    bench = _bench()
 
     d = tiny_checkpoints.write_checkpoint(
         "eagle3-drafter", root / name, seed=3, aux_layer_ids=(1, 3, 5),
@@ -111,12 +125,52 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     del hf
     return {
         "root": root, "target": target, "prompts": root / "prompts.txt",
+        "seqs": seqs, "prompt_lens": lens, "states": states,
         "input-of-layer": _train(root, "trained_on_1_3_5", states, seqs, lens, (1, 3, 5), False),
         "output-of-layer": _train(root, "trained_on_2_4_6", states, seqs, lens, (2, 4, 6), True),
         "random": tiny_checkpoints.write_checkpoint(
             "eagle3-drafter", root / "random", seed=5, aux_layer_ids=(1, 3, 5),
             draft_vocab_size=tiny_checkpoints.VOCAB_SIZE).outdir,
     }
+
+
+def unrolled_acceptance(s: dict[str, Any], drafter: Path, layers: tuple[int, ...]
+                        ) -> tuple[int, float]:
+    """(drafts, mean acceptance length) of greedy k = 3 drafting computed
+    without vLLM: the GPU benchmark's pure-torch drafter, unrolled as in
+    training (step j of slot i attends to step 1 of slots <= i and to its own
+    earlier steps, the KV cache chained drafting builds), on transformers'
+    states. Given steps < j accepted, step j's input tokens are the target's,
+    so its prediction is the draft; the engine's path then follows."""
+    from safetensors.torch import load_file
+
+    bench = _bench()
+    cfg = json.loads((drafter / "config.json").read_text())
+    embed = load_file(str(s["target"] / "model.safetensors"))["model.embed_tokens.weight"]
+    d = bench.Drafter(cfg, load_file(str(drafter / "model.safetensors")), embed, "cpu")
+    drafts = accepted = 0
+    for seq, p, st in zip(s["seqs"], s["prompt_lens"], s["states"]):
+        n = len(seq) - 1
+        toks = torch.tensor([seq[:n]])
+        hidden = torch.cat([st[k][:n] for k in layers], -1)[None] @ d.p["fc.weight"].T
+        pos = torch.arange(n)[None]
+        hits, first, chain = [], None, []
+        with torch.no_grad():
+            for j in range(1, K + 1):  # slot i, step j: token i + j at position i + j - 1
+                tok = torch.nn.functional.pad(toks[:, j:], (0, j))
+                pre, logits, kk, vv = d.layer(tok, hidden, pos + j - 1, first, chain)
+                label = torch.tensor(seq[j + 1:] + [-1] * j)[:n]
+                hits.append((logits[0].argmax(-1) == label).tolist())
+                if j == 1:
+                    first = (kk, vv)
+                else:
+                    chain.append((kk, vv))
+                hidden = pre
+        t = p - 1
+        while t + 1 + K < len(seq):
+            a = next((j for j in range(K) if not hits[j][t]), K)
+            drafts, accepted, t = drafts + 1, accepted + a, t + a + 1
+    return drafts, 1 + accepted / drafts
 
 
 def calibrate(capfd: pytest.CaptureFixture[str], s: dict[str, Path], drafter: Path,
@@ -147,6 +201,13 @@ def test_calibrate_names_the_input_of_layer_drafter(setup: dict[str, Path],
     assert "accepted at position 1..3: " in out
     assert _mean(out, "input-of-layer") > _mean(out, "output-of-layer")
     assert out.rstrip().endswith("verdict: input-of-layer")
+    # The replay is EAGLE's chained drafting: an implementation without vLLM,
+    # on transformers' states, gets the same drafts.
+    for label, layers in ((" input-of-layer [1, 3, 5]", (1, 3, 5)),
+                          ("output-of-layer [2, 4, 6]", (2, 4, 6))):
+        drafts, mean = unrolled_acceptance(setup, d, layers)
+        line = next(x for x in out.splitlines() if x.startswith(f"{label}: mean"))
+        assert f"length {mean:.2f} over {drafts} drafts" in line, (line, drafts, mean)
     assert (d / "config.json").read_bytes() == before  # nothing written without --write
 
 
