@@ -1,9 +1,41 @@
-"""Which target layers an EAGLE-3 drafter is fed, and a converter between
-layer-numbering conventions.
+"""Which target layers an EAGLE-3 drafter is fed, whether it fits its target,
+and a converter between layer-numbering conventions.
 
     python -m tools.eagle3_layers show DRAFTER_DIR [--target TARGET_DIR]
+    python -m tools.eagle3_layers check DRAFTER_DIR --target TARGET_DIR
+    python -m tools.eagle3_layers calibrate DRAFTER_DIR --target TARGET_DIR [--prompts FILE]
+                                  [--write] [--via auto|replay|spec-decode]
     python -m tools.eagle3_layers convert DRAFTER_DIR --from output-of-layer|input-of-layer
                                   [--ids K,K,K] [--target TARGET_DIR] [--out DIR]
+
+``check`` reads both configs through vLLM and the drafter's safetensors
+headers (never the weights) and prints one line per check, ``FAIL  <problem>;
+fix: <fix>`` for each problem; exit 1 when there is one (tools/eagle3_fit.py).
+
+``calibrate`` measures greedy acceptance (k = 3) of the drafter under both
+readings of its ids: input-of-layer (vLLM ids = the ids) and output-of-layer
+(ids + 1), prints the mean acceptance length and the per-position acceptance
+of each and ends with ``verdict: input-of-layer|output-of-layer|undetermined``.
+Margin rule: a reading wins when its mean acceptance length beats the other's
+by at least 0.05 and by three standard errors of the difference (from the
+per-draft accepted counts); a reading that needs an id past the last layer
+is scored as a drafter that never hits. ``--write`` writes the winner's ids
+top-level as ``convert`` does; it refuses an undetermined verdict. Two ways
+to measure, both through vLLM's own engine and drafter class:
+
+- ``spec-decode`` (default off CPU): serve the target with the drafter, once
+  per reading (a converted copy), and read the engine's spec-decode counters.
+- ``replay`` (default on CPU, and the tested path): vLLM 0.16's CPU runner
+  refuses speculative decoding, so one CPU engine run of the target captures
+  the layers of both readings (the model's ``set_aux_hidden_state_layers``,
+  as the GPU runner calls it), then the EAGLE proposer's ``load_model`` loads
+  the drafter and its own forward, ``combine_hidden_states`` and
+  ``compute_logits`` replay the engine's greedy loop: draft k tokens from the
+  last accepted row, keep the leading ones the target's greedy continuation
+  agrees with, add the target's token, repeat. Only the paged attention
+  kernel is replaced, by causal softmax attention over the same q/k/v (the
+  kernel needs a scheduled step's KV cache and metadata); rows are recomputed
+  each step, which is what the KV cache would hold.
 
 In vLLM an aux id k is the INPUT of target layer k; SGLang, SpecForge and
 speculators' data generation count the OUTPUT of layer k, which is vLLM's id
@@ -281,7 +313,50 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="refuse ids outside [0, n] for this target")
     cp.add_argument("--out", type=Path, metavar="DIR",
                     help="write a converted copy here instead of converting in place")
+    kp = sub.add_parser("check", help="preflight: does the drafter fit the target? "
+                                      "(configs and safetensors headers only)")
+    kp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR")
+    kp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True)
+    kp.add_argument("--trust-remote-code", action="store_true")
+    lp = sub.add_parser("calibrate", help="measure which numbering the drafter was trained "
+                                          "in: acceptance under both readings")
+    lp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR")
+    lp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True)
+    lp.add_argument("--prompts", type=Path, metavar="FILE",
+                    help="one prompt a line (default: a built-in set of 8)")
+    lp.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
+    lp.add_argument("--write", action="store_true",
+                    help="write the winning ids top-level, as convert does (in place, "
+                         "config.json.orig kept)")
+    lp.add_argument("--via", choices=("auto", "replay", "spec-decode"), default="auto",
+                    help="auto: replay on a CPU build, spec-decode otherwise")
+    lp.add_argument("--tensor-parallel-size", type=int, default=1)
+    lp.add_argument("--enforce-eager", action="store_true",
+                    help="spec-decode: no torch.compile or CUDA graphs (faster start)")
+    lp.add_argument("--trust-remote-code", action="store_true")
     args = ap.parse_args(argv)
+    if args.cmd in ("check", "calibrate"):
+        # vLLM's log lines would bury the report; its errors still raise.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        _series_reader()
+    if args.cmd == "calibrate":
+        from tools.eagle3_fit import calibrate
+
+        engine_args = {"tensor_parallel_size": args.tensor_parallel_size,
+                       "trust_remote_code": args.trust_remote_code}
+        if args.enforce_eager:
+            engine_args["enforce_eager"] = True
+        lines, _ = calibrate(args.drafter, args.target, prompts=args.prompts,
+                             max_tokens=args.max_tokens, write=args.write, via=args.via,
+                             engine_args=engine_args)
+        print("\n".join(lines))
+        return 0
+    if args.cmd == "check":
+        from tools.eagle3_fit import check
+
+        lines, problems = check(args.drafter, args.target, args.trust_remote_code)
+        print("\n".join(lines))
+        return 1 if problems else 0
     print("\n".join(show(args.drafter, args.target) if args.cmd == "show" else
                     convert(args.drafter, args.convention, out=args.out, target=args.target,
                             ids=args.ids)))

@@ -1,0 +1,803 @@
+"""Does an EAGLE-3 drafter fit its target? ``check`` (configs and safetensors
+headers, never the weights) and ``calibrate`` (measured acceptance under both
+layer numberings). The CLI is ``python -m tools.eagle3_layers``; its
+docstring and README.md say how to read the output.
+
+Everything is asked of the installed vLLM where it can be: the drafter config
+is read by ``SpeculativeConfig``, the class by ``ModelRegistry``, and which
+tensors the class loads by building it on the meta device and running its own
+``load_weights`` over meta tensors of the header's shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tools._common import StackError
+
+TOP = "eagle_aux_hidden_state_layer_ids"
+NESTED = "eagle_config." + TOP
+# safetensors' dtype names (the header's "dtype" field).
+ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+FLOATS = {"float64", "float32", "float16", "bfloat16"}
+# Drafter tensors the proposer may take from elsewhere (vLLM v0.16.0
+# eagle.py load_model: _maybe_share_embeddings / _maybe_share_lm_head share the
+# target's when the checkpoint has none), or that default correctly when
+# absent (draft_id_to_target_id: zeros = identity, right when the draft
+# vocabulary is the target's; the vocabulary check covers the other case).
+SHARED_OR_DEFAULT = ("model.embed_tokens.weight", "lm_head.weight", "draft_id_to_target_id")
+
+
+def read_headers(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, dtype)} from the safetensors headers the
+    checkpoint's index names (or every *.safetensors file): safe_open reads
+    the header and maps the file, so no tensor data is read."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name in files:
+        try:
+            with safe_open(str(directory / name), framework="pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    out[key] = (tuple(part.get_shape()), ST_DTYPES.get(part.get_dtype(),
+                                                                       part.get_dtype()))
+        except Exception as e:  # safetensors raises its own error types
+            raise StackError(f"{directory / name}: not a readable safetensors file ({e})")
+    return out
+
+
+def _ckpt_key(name: str) -> str:
+    """A checkpoint name as the drafter classes map it (model. dropped,
+    midlayer. = layers.0.)."""
+    name = name.removeprefix("model.")
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """gloo prints a line per process group on file descriptor 1, into the report."""
+    import sys
+
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
+def _one_process_world() -> Iterator[None]:
+    """vLLM's parallel layers need a tensor-parallel group: a gloo world of one."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        with _quiet_stdout():
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                            backend="gloo",
+                                            distributed_init_method=f"file://{tmp}/init")
+            ps.ensure_model_parallel_initialized(1, 1)
+        try:
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """(target ModelConfig, SpeculativeConfig) as the engine builds them."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    try:
+        tcfg = ModelConfig(model=str(target), tokenizer=str(target), skip_tokenizer_init=True,
+                           dtype="auto", trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise StackError(f"vLLM cannot read the target config {target}: {e}") from None
+    try:
+        spec = SpeculativeConfig(method="eagle3", model=str(drafter), num_speculative_tokens=3,
+                                 target_model_config=tcfg,
+                                 target_parallel_config=ParallelConfig())
+    except Exception as e:
+        raise StackError(f"vLLM refuses the drafter config {drafter}: {e}") from None
+    return tcfg, spec
+
+
+def engine_ids(hf: Any, n: int) -> tuple[tuple[int, ...], str]:
+    """The ids the engine captures for this draft config, and where from."""
+    from vllm.config.speculative import get_eagle3_aux_layer_ids
+
+    found = get_eagle3_aux_layer_ids(hf)
+    if found is None:  # DeepseekV2ForCausalLM.get_eagle3_aux_hidden_state_layers
+        return (2, n // 2, n - 3), f"the target's default (2, n//2, n-3), n = {n}"
+    return tuple(found[0]), ("nested " if found[1] == NESTED else "top-level ") + found[1]
+
+
+class Report:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.problems = 0
+        self.blamed: set[str] = set()
+
+    def ok(self, msg: str) -> None:
+        self.lines.append(f"ok    {msg}")
+
+    def warn(self, msg: str) -> None:
+        self.lines.append(f"warn  {msg}")
+
+    def fail(self, msg: str, fix: str, *tensors: str) -> None:
+        """``tensors``: checkpoint names (or name prefixes) this line already
+        explains; the load check names no other problem with them."""
+        self.problems += 1
+        self.blamed.update(_ckpt_key(t) for t in tensors)
+        self.lines.append(f"FAIL  {msg}; fix: {fix}")
+
+    def explained(self, name: str) -> bool:
+        key = _ckpt_key(name).replace("draft_id_to_target_id", "d2t")
+        return any(key.startswith(b) for b in self.blamed)
+
+
+def _build_on_meta(cls: type, vllm_config: Any) -> Any:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    # Each build registers its attention layers by name in the config.
+    vllm_config.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(vllm_config), \
+            set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+        return cls(vllm_config=vllm_config, prefix="")
+
+
+def _load_on_meta(cls: type, vllm_config: Any, headers: dict, rep: Report) -> None:
+    """Run the class's own load_weights over meta tensors shaped as the
+    headers say, recording each parameter a loader was called for. A tensor
+    the class refuses is dropped and the load retried, so every one is named."""
+    import torch
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    def tensor(name: str) -> torch.Tensor:
+        shape, dtype = headers[name]
+        if name in ("d2t", "t2d"):  # MLA's loader range-checks d2t on the CPU
+            return torch.zeros(shape, dtype=getattr(torch, dtype, torch.int64))
+        return torch.empty(shape, dtype=getattr(torch, dtype, torch.float32), device="meta")
+
+    remaining = sorted(headers)
+    while True:
+        model = _build_on_meta(cls, vllm_config)
+        loaded: set[str] = set()
+        errors: dict[str, str] = {}
+        for pname, param in model.named_parameters():
+            original = getattr(param, "weight_loader", default_weight_loader)
+
+            def record(p: Any, w: Any, *args: Any, _n: str = pname, _o: Any = original,
+                       **kw: Any) -> None:
+                loaded.add(_n)
+                try:
+                    _o(p, w, *args, **kw)
+                except Exception as e:  # a shape the parameter cannot take
+                    errors.setdefault(_n, f"{type(e).__name__}: {e}".strip())
+
+            param.weight_loader = record
+        try:
+            model.load_weights((n, tensor(n)) for n in remaining)
+        except Exception as e:
+            text = str(e)
+            culprit = next((n for n in remaining if _ckpt_key(n) in text), None)
+            if culprit is None:
+                rep.fail(f"vLLM's {cls.__name__} refuses the checkpoint: {text}",
+                         "give the checkpoint every tensor the config implies")
+                return
+            if not rep.explained(culprit):
+                rep.fail(f"{cls.__name__} would not load {culprit!r} ({type(e).__name__}: "
+                         f"{text})", "remove the tensor, or fix the config or architecture "
+                         "that left the class without it", culprit)
+            remaining.remove(culprit)
+            continue
+        break
+    for pname, err in sorted(errors.items()):
+        if not rep.explained(pname):
+            rep.fail(f"{cls.__name__} cannot load {pname}: {err}",
+                     "the tensor's shape must be what the config implies")
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded
+                     and n not in SHARED_OR_DEFAULT and not rep.explained(n))
+    if missing:
+        rep.fail(f"the checkpoint lacks {missing}, which {cls.__name__} creates and would "
+                 "serve uninitialised", "use the checkpoint the config was written for, or "
+                 "fix the config so the class does not create them")
+    elif not rep.problems:
+        rep.ok(f"{cls.__name__}.load_weights takes all {len(headers)} tensors; none it "
+               "needs is missing")
+
+
+def check(drafter: Path, target: Path, trust_remote_code: bool = False) -> tuple[list[str], int]:
+    """Lines to print and the number of problems."""
+    drafter, target = Path(drafter), Path(target)
+    for what, d in (("drafter", drafter), ("target", target)):
+        if not (d / "config.json").is_file():
+            raise StackError(f"{d}/config.json does not exist: pass the {what}'s directory")
+    # The drafter classes name their weights the same with MLA on or off, and
+    # the CPU platform cannot build MLA attention: check with it off.
+    with _env(VLLM_MLA_DISABLE="1"), _one_process_world():
+        return _check(drafter, target, trust_remote_code)
+
+
+def _check(drafter: Path, target: Path, trust_remote_code: bool) -> tuple[list[str], int]:
+    from vllm.config import (CacheConfig, CompilationConfig, CompilationMode, DeviceConfig,
+                             VllmConfig)
+    from vllm.model_executor.models import deepseek_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    rep = Report()
+    try:
+        tcfg, spec = configs(drafter, target, trust_remote_code)
+    except StackError as e:
+        if "are not supported for now" not in str(e):
+            raise
+        archs = json.loads((drafter / "config.json").read_text()).get("architectures")
+        rep.fail(f"architectures {archs} resolve to no vLLM class",
+                 "set architectures to LlamaForCausalLMEagle3 (Llama draft layer) or "
+                 "Eagle3DeepseekV2ForCausalLM (DeepSeek MLA draft layer)")
+        return _finish(rep)
+    draft = spec.draft_model_config
+    hf, text = draft.hf_config, tcfg.hf_text_config
+    n, t_hidden, t_vocab = text.num_hidden_layers, tcfg.get_hidden_size(), text.vocab_size
+    rep.lines.append(f"drafter {drafter} -> target {target} ({text.model_type}, {n} layers, "
+                     f"hidden {t_hidden}, vocab {t_vocab})")
+
+    archs = list(getattr(hf, "architectures", None) or [])
+    try:
+        cls, _ = ModelRegistry.resolve_model_cls(draft.architectures, draft)
+    except Exception as e:
+        cls = None
+        rep.fail(f"architectures {archs} resolve to no vLLM class ({e})",
+                 "set architectures to LlamaForCausalLMEagle3 (Llama draft layer) or "
+                 "Eagle3DeepseekV2ForCausalLM (DeepSeek MLA draft layer)")
+    if cls is not None and not hasattr(cls, "combine_hidden_states"):
+        rep.fail(f"architectures {archs} resolve to {cls.__name__}, which is not an EAGLE-3 "
+                 "drafter (no combine_hidden_states)",
+                 "set architectures to LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM")
+        cls = None
+    elif cls is not None:
+        rep.ok(f"architectures {archs} -> vLLM {cls.__name__}")
+
+    try:
+        ids, source = engine_ids(hf, n)
+    except ValueError as e:  # the two places disagree, or hold no list
+        rep.fail(f"vLLM refuses the drafter's ids: {e}", "keep the one list the drafter "
+                 "was trained with (`show`, then `convert`)")
+        return _finish(rep)
+    bad = [k for k in ids if not 0 <= k <= n]
+    if bad:
+        rep.fail(f"aux ids {list(ids)} (from {source}) include {bad}, outside [0, {n}]",
+                 "the ids are for another target, or numbered by output with the last "
+                 f"layer's output written as {n} + 1: see `show`, then `convert`")
+    elif list(ids) != sorted(set(ids)):
+        rep.fail(f"aux ids {list(ids)} (from {source}) are not strictly ascending",
+                 "vLLM returns states in layer order, so fc would get them permuted; "
+                 "the drafter cannot be served as trained")
+    else:
+        rep.ok(f"aux ids {list(ids)} from {source}: in [0, {n}], ascending")
+    if source.startswith("nested"):
+        rep.warn(f"ids only in {NESTED}, which SGLang, SpecForge, TorchSpec training and "
+                 f"ModelOpt number by output: as read, inputs of layers {list(ids)}; as outputs, "
+                 f"vLLM ids {[k + 1 for k in ids]}. `calibrate` measures which, `convert` "
+                 f"writes {TOP}")
+
+    is_mla_drafter = cls is getattr(deepseek_eagle3, "Eagle3DeepseekV2ForCausalLM", None)
+    if is_mla_drafter and tcfg.is_deepseek_mla:
+        # The fields the class compares itself when the target runs MLA.
+        diff = [f"{f} {getattr(hf, f, None)} vs {getattr(text, f, None)}"
+                for f in deepseek_eagle3._MLA_SHARED_FIELDS
+                if getattr(hf, f, None) != getattr(text, f, None)]
+        if diff:
+            rep.fail("the MLA draft layer shares the target's MLA KV cache, but its geometry "
+                     "differs (drafter vs target): " + "; ".join(diff),
+                     "use a drafter trained for this target")
+        else:
+            rep.ok("MLA draft layer geometry equals the target's ("
+                   + ", ".join(deepseek_eagle3._MLA_SHARED_FIELDS) + ")")
+
+    headers = read_headers(drafter)
+    if not headers:
+        rep.fail(f"no safetensors weights in {drafter}", "download the weights "
+                 "(*.safetensors, and model.safetensors.index.json if sharded)")
+        return _finish(rep)
+    _check_tensors(rep, hf, headers, ids, t_hidden, t_vocab)
+    for flag, fix_on in (("fc_norm", "fc_norm."), ("norm_before_fc", "input_norm.")):
+        present = sorted(k for k in headers if _ckpt_key(k).startswith(fix_on))
+        if getattr(hf, flag, False) and not present:
+            rep.fail(f"{flag} is set but the checkpoint has no {fix_on}* tensor",
+                     f"set \"{flag}\": false if the drafter was trained without it, or get "
+                     "the weights it was trained with", fix_on)
+        elif present and not getattr(hf, flag, False):
+            rep.fail(f"the checkpoint has {present} but {flag} is not set",
+                     f"set \"{flag}\": true in config.json", *present)
+    if cls is not None:
+        vllm_config = VllmConfig(
+            model_config=tcfg, speculative_config=spec, device_config=DeviceConfig("cpu"),
+            cache_config=CacheConfig(block_size=16),
+            compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+        try:
+            model = _build_on_meta(cls, vllm_config)
+        except Exception as e:
+            rep.fail(f"vLLM's {cls.__name__} refuses the drafter config: {e}",
+                     "fix the config field the message names")
+        else:
+            _check_flags_honoured(rep, hf, model, cls)
+            _load_on_meta(cls, vllm_config, headers, rep)
+    return _finish(rep)
+
+
+def _check_flags_honoured(rep: Report, hf: Any, model: Any, cls: type) -> None:
+    """A flag the built class shows no sign of is one it would silently ignore
+    (vLLM #38111, #42143, #43482): fc_norm builds model.fc_norm, norm_output
+    sets model.norm_output, norm_before_fc (upstream, after v0.16) builds
+    model.input_norm."""
+    for flag, attr in (("fc_norm", "fc_norm"), ("norm_output", "norm_output"),
+                       ("norm_before_fc", "input_norm")):
+        if getattr(hf, flag, False) and not getattr(model.model, attr, None):
+            rep.fail(f"{flag} is set but the installed {cls.__name__} ignores it: the "
+                     "drafter would be served without it",
+                     "install a vLLM that implements it (this series does fc_norm and "
+                     "norm_output)", attr + ".")
+
+
+def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
+                   t_hidden: int, t_vocab: int) -> None:
+    by_key = {_ckpt_key(k): k for k in headers}
+    h = hf.hidden_size
+    field = "target_hidden_size" if getattr(hf, "target_hidden_size", None) else "hidden_size"
+    hidden_in = getattr(hf, field)
+    if hidden_in != t_hidden:
+        rep.fail(f"the drafter reads target states of width {hidden_in} ({field}), the "
+                 f"target's hidden size is {t_hidden}", "use a drafter for this target")
+    elif "embed_tokens.weight" not in by_key and h != t_hidden:
+        rep.fail(f"the checkpoint has no embed_tokens, so vLLM shares the target's "
+                 f"({t_hidden} wide), but the drafter's hidden_size is {h}",
+                 "get the drafter's own embed_tokens weights")
+    else:
+        rep.ok(f"hidden sizes: target states {t_hidden} wide, drafter hidden {h}")
+    fc = by_key.get("fc.weight")
+    if fc is None:
+        rep.fail("the checkpoint has no fc.weight (the layer that fuses the aux states)",
+                 "get the complete drafter checkpoint")
+    elif rep.problems and headers[fc][0][-1] % t_hidden:
+        pass  # the width mismatch above explains it
+    elif headers[fc][0][-1] != len(ids) * t_hidden:
+        trained = headers[fc][0][-1] // t_hidden
+        rep.fail(f"{fc} takes {headers[fc][0][-1]} inputs = {trained} x the target's "
+                 f"hidden {t_hidden}, but the engine feeds {len(ids)} aux states ({list(ids)})",
+                 f"list the {trained} layer ids the drafter was trained on "
+                 f"(`convert --ids`)", fc)
+    else:
+        rep.ok(f"{fc} in-features {headers[fc][0][-1]} = {len(ids)} aux ids x {t_hidden}")
+
+    vocab, dv = hf.vocab_size, getattr(hf, "draft_vocab_size", None) or hf.vocab_size
+    problems = rep.problems
+    if vocab != t_vocab:
+        rep.fail(f"the drafter's vocab_size {vocab} is not the target's {t_vocab} (its "
+                 "logits are scattered into the target's vocabulary)",
+                 "use a drafter trained with this target's tokenizer")
+    if dv > t_vocab:
+        rep.fail(f"draft_vocab_size {dv} exceeds the target's vocabulary {t_vocab}",
+                 "use a drafter trained with this target's tokenizer")
+    for name, want in (("d2t", (dv,)), ("t2d", (vocab,)), ("lm_head.weight", (dv, h))):
+        if name in by_key and headers[by_key[name]][0] != want:
+            rep.fail(f"{by_key[name]} has shape {list(headers[by_key[name]][0])}, the config "
+                     f"implies {list(want)} (draft_vocab_size {dv}, vocab_size {vocab})",
+                     "set draft_vocab_size to the size the drafter was trained with",
+                     by_key[name])
+    if "d2t" not in by_key and dv != vocab:
+        rep.fail(f"draft_vocab_size {dv} != vocab_size {vocab} but there is no d2t tensor "
+                 "to map draft ids to target ids", "get the d2t tensor the drafter was "
+                 "trained with")
+    for name, kinds in (("d2t", ("int64", "int32")), ("t2d", ("bool",))):
+        if name in by_key and headers[by_key[name]][1] not in kinds:
+            rep.fail(f"{name} is stored as {headers[by_key[name]][1]}, not {' or '.join(kinds)}",
+                     "re-export the drafter's vocabulary mapping", by_key[name])
+    if rep.problems == problems:
+        rep.ok(f"vocabulary: draft {dv} of the target's {t_vocab}"
+               + (", d2t/t2d match" if "d2t" in by_key else ", no d2t (identity)"))
+    odd = sorted({d for k, (_, d) in headers.items()
+                  if _ckpt_key(k) not in ("d2t", "t2d")} - FLOATS)
+    if odd and getattr(hf, "quantization_config", None) is None:
+        rep.fail(f"weights stored as {odd} with no quantization_config: loaded as plain "
+                 "floats, without their scales", "use an unquantized export of the drafter")
+    elif not odd:
+        dtypes = sorted({d for k, (_, d) in headers.items() if d in FLOATS})
+        rep.ok(f"weights stored as {', '.join(dtypes)}, served as the target's dtype")
+
+
+def _finish(rep: Report) -> tuple[list[str], int]:
+    rep.lines.append("the pair fits" if not rep.problems else
+                     f"{rep.problems} problem{'s' * (rep.problems > 1)}: the pair does not fit")
+    return rep.lines, rep.problems
+
+
+# ------------------------------------------------------------------ calibrate
+
+READINGS = ("input-of-layer", "output-of-layer")
+K = 3
+MIN_GAP = 0.05  # mean acceptance length, on top of 3 standard errors
+# Text a chat model continues predictably; any file of one prompt a line will do.
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Monday, Tuesday, Wednesday, Thursday,",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Speculative decoding drafts several tokens and the target model",
+    "import numpy as np\nimport torch\nfrom torch import",
+    "Water boils at 100 degrees Celsius and freezes at",
+    "Once upon a time, in a small village by the sea, there lived",
+)
+# The CPU engine as the CPU end-to-end tests run it (tests/e2e/cpu harness):
+# no MLA kernels on CPU, in-process so the capture hooks reach the runner,
+# and the rotary custom op off (v0.16.0's CPU kernel mis-rotates DeepSeek's
+# strided q_pe).
+CPU_ENV = {"VLLM_MLA_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Acceptance:
+    """Per-position accepted counts of N drafts of K tokens each: what vLLM's
+    spec-decode metrics count (num_drafts, num_accepted_tokens_per_pos)."""
+
+    def __init__(self, drafts: int, per_pos: list[int]) -> None:
+        self.drafts, self.per_pos = drafts, per_pos
+
+    def mean_length(self) -> float:
+        return 1 + sum(self.per_pos) / self.drafts if self.drafts else float("nan")
+
+    def variance(self) -> float:
+        """Of the accepted count per draft: count(a >= j) gives count(a == j)."""
+        counts = [self.drafts - self.per_pos[0]] + [
+            a - b for a, b in zip(self.per_pos, self.per_pos[1:] + [0])]
+        mean = self.mean_length() - 1
+        return sum(c * (j - mean) ** 2 for j, c in enumerate(counts)) / max(1, self.drafts - 1)
+
+    def line(self, label: str) -> str:
+        rates = " ".join(f"{c / self.drafts:.2f}" for c in self.per_pos)
+        return (f"{label}: mean acceptance length {self.mean_length():.2f} "
+                f"over {self.drafts} drafts; accepted at position 1..{len(self.per_pos)}: {rates}")
+
+
+def verdict(results: dict[str, Acceptance | None]) -> tuple[str, str]:
+    """(verdict, why). A reading wins when its mean acceptance length beats
+    the other's by at least MIN_GAP and by 3 standard errors of the
+    difference; a reading the target cannot capture (an id past its last
+    layer) loses only if the other beats no acceptance at all by the same
+    margin."""
+    a, b = results["input-of-layer"], results["output-of-layer"]
+    zero = Acceptance(max(1, (a or b).drafts), [0] * K)  # a drafter that never hits
+    a, b = a or zero, b or zero
+    gap = b.mean_length() - a.mean_length()
+    se = (a.variance() / max(1, a.drafts) + b.variance() / max(1, b.drafts)) ** 0.5
+    need = max(MIN_GAP, 3 * se)
+    why = f"difference {gap:+.2f} (output - input), needed {need:.2f}"
+    if abs(gap) < need:
+        return "undetermined", why
+    return ("output-of-layer" if gap > 0 else "input-of-layer"), why
+
+
+def _chained_drafts(model: Any, tokens: Any, fused: Any, start: int, k: int) -> list[int]:
+    """k greedy drafts from row ``start`` as the EAGLE proposer chains them:
+    row i reads token i + 1 at position i with the target's fused state i; each
+    later step appends the last draft at the next position with the drafter's
+    own returned hidden state. Rows are recomputed causally each step, which
+    is what the KV cache holds."""
+    import torch
+
+    ids, pos, hid = tokens[1:start + 2], torch.arange(start + 1), fused[:start + 1]
+    drafts = []
+    for _ in range(k):
+        out, back = model(ids, pos, hid)
+        d = int(model.compute_logits(out[-1:]).argmax(-1))
+        drafts.append(d)
+        ids = torch.cat([ids, ids.new_tensor([d])])
+        pos = torch.cat([pos, pos[-1:] + 1])
+        hid = torch.cat([hid, back[-1:]])
+    return drafts
+
+
+class _CausalAttention:
+    """Stands in for vLLM's paged Attention layer (whose KV cache and metadata
+    only a scheduled engine step has): the same q/k/v in, softmax attention
+    over the rows so far out."""
+
+    def __init__(self, attn: Any) -> None:
+        self.h, self.kvh = attn.num_heads, attn.num_kv_heads
+        self.d, self.dv, self.scale = attn.head_size, attn.head_size_v, attn.impl.scale
+
+    def __call__(self, q: Any, k: Any, v: Any, *args: Any, **kw: Any) -> Any:
+        import torch.nn.functional as F
+
+        T = q.shape[0]
+        q, k, v = (t.reshape(T, n, -1).transpose(0, 1)
+                   for t, n in ((q, self.h), (k, self.kvh), (v, self.kvh)))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                             enable_gqa=self.h != self.kvh)
+        return out.transpose(0, 1).reshape(T, -1)
+
+
+def _worker_capture(worker: Any, layers: tuple[int, ...]) -> None:
+    """On the engine's worker: capture ``layers`` (the model's SupportsEagle3
+    hook, as GPUModelRunner._set_eagle3_aux_layers calls it) and keep every
+    step's aux states with its request ids and token counts."""
+    runner = worker.model_runner
+    runner.get_model().set_aux_hidden_state_layers(layers)
+    runner.use_aux_hidden_state_outputs = True
+    log: list[dict[str, Any]] = []
+    worker.eagle3_calibrate_log = log
+    original = runner.execute_model
+
+    def execute_model(sched: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(sched, *args, **kwargs)
+        state, n = runner.execute_model_state, sched.total_num_scheduled_tokens
+        if state is not None and n:
+            req_ids = list(runner.input_batch.req_ids)
+            log.append({"counts": [(r, sched.num_scheduled_tokens[r]) for r in req_ids],
+                        "ids": runner.input_ids.cpu[:n].tolist(),
+                        "aux": [a[:n].clone() for a in state.aux_hidden_states]})
+        return out
+
+    runner.execute_model = execute_model
+
+
+def _worker_score(worker: Any, drafter: str, layers: tuple[int, ...],
+                  readings: dict[str, tuple[int, ...]], seqs: list[dict[str, Any]],
+                  k: int) -> dict[str, Acceptance]:
+    """On the worker: load the drafter as the EAGLE proposer does (its own
+    load_model: vLLM's loader, embeddings and lm_head shared from the target
+    when the checkpoint has none), then replay greedy speculative decoding
+    for each reading."""
+    import torch
+    from vllm.config import SpeculativeConfig
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm.v1.worker.cpu_model_runner import _torch_cuda_wrapper
+
+    runner = worker.model_runner
+    config = runner.vllm_config
+    config.speculative_config = SpeculativeConfig(
+        method="eagle3", model=drafter, num_speculative_tokens=k,
+        target_model_config=runner.model_config, target_parallel_config=runner.parallel_config)
+    try:
+        with _torch_cuda_wrapper():
+            proposer = EagleProposer(config, runner.device, runner)
+        proposer.load_model(runner.get_model())
+    finally:
+        config.speculative_config = None
+    model = proposer.model.eval()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Attention):
+                object.__setattr__(module, name, _CausalAttention(child))
+    results = {}
+    with torch.inference_mode():
+        for reading, ids in readings.items():
+            drafts, per_pos = 0, [0] * k
+            cols = [layers.index(i) for i in ids]
+            for seq in seqs:
+                tokens, prompt_len = seq["tokens"], seq["prompt_len"]
+                aux = torch.cat([seq["aux"][c] for c in cols], dim=-1)
+                with set_forward_context(None, config, num_tokens=len(tokens)):
+                    fused = model.combine_hidden_states(aux.to(runner.model_config.dtype))
+                    t = prompt_len - 1
+                    while t + 1 + k < len(tokens):
+                        want = tokens[t + 2:t + 2 + k].tolist()
+                        got = _chained_drafts(model, tokens, fused, t, k)
+                        a = next((j for j in range(k) if got[j] != want[j]), k)
+                        drafts += 1
+                        for j in range(a):
+                            per_pos[j] += 1
+                        t += a + 1  # the target keeps a drafts and adds its own token
+            results[reading] = Acceptance(drafts, per_pos)
+    return results
+
+
+def _rows(log: list[dict[str, Any]], prompts: list[list[int]], outputs: list[list[int]]
+          ) -> list[dict[str, Any]]:
+    """Per prompt: its tokens (prompt + greedy output) and, per captured
+    layer, the state of every token fed (the last sampled one never is)."""
+    import torch
+
+    fed: dict[str, list[int]] = {}
+    aux: dict[str, list[list[Any]]] = {}
+    for step in log:
+        start = 0
+        for req, count in step["counts"]:
+            fed.setdefault(req, []).extend(step["ids"][start:start + count])
+            aux.setdefault(req, []).append([a[start:start + count] for a in step["aux"]])
+            start += count
+    seqs = []
+    for prompt, output in zip(prompts, outputs):
+        tokens = prompt + output
+        req = next((r for r, ids in fed.items() if ids == tokens[:-1]), None)
+        if req is None:
+            raise StackError("the engine's captured rows match no prompt: was prefix caching "
+                             "on, or did a request stop early?")
+        seqs.append({"tokens": torch.tensor(tokens), "prompt_len": len(prompt),
+                     "aux": [torch.cat(col) for col in zip(*aux.pop(req))]})
+        del fed[req]
+    return seqs
+
+
+def _read_prompts(path: Path | None) -> list[str]:
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    try:
+        prompts = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    except OSError as e:
+        raise StackError(f"cannot read --prompts {path}: {e}") from None
+    if not prompts:
+        raise StackError(f"--prompts {path} holds no prompt (one a line)")
+    return prompts
+
+
+@contextlib.contextmanager
+def _engine(**kwargs: Any) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm = None
+    try:
+        with _quiet_stdout():
+            llm = LLM(**kwargs)
+        yield llm
+    finally:
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+
+
+def _replay(drafter: Path, target: Path, readings: dict[str, tuple[int, ...]],
+            prompts: list[str], max_tokens: int, engine_args: dict[str, Any]
+            ) -> dict[str, Acceptance]:
+    """The CPU path: one real engine run of the target that captures the
+    layers of both readings, then vLLM's drafter class replaying greedy
+    speculative decoding over those states."""
+    from vllm import SamplingParams
+
+    layers = tuple(sorted({k for ids in readings.values() for k in ids}))
+    kwargs = {"model": str(target), "seed": 0, "enforce_eager": True, "max_model_len": 1024,
+              "dtype": "float32",
+              "enable_prefix_caching": False, "max_num_seqs": 8,
+              "compilation_config": {"custom_ops": ["-rotary_embedding"]}, **engine_args}
+    with _env(**CPU_ENV), _engine(**kwargs) as llm:
+        llm.collective_rpc(_worker_capture, args=(layers,))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        log = llm.collective_rpc(lambda worker: worker.eagle3_calibrate_log)[0]
+        seqs = _rows(log, [list(o.prompt_token_ids) for o in outs],
+                     [list(o.outputs[0].token_ids) for o in outs])
+        return llm.collective_rpc(_worker_score,
+                                  args=(str(drafter), layers, readings, seqs, K))[0]
+
+
+def _spec_decode(drafter: Path, target: Path, readings: dict[str, tuple[int, ...]],
+                 prompts: list[str], max_tokens: int, engine_args: dict[str, Any],
+                 has_ids: bool) -> dict[str, Acceptance]:
+    """The GPU path: serve the target with the drafter, once per reading (a
+    converted copy with the reading's ids top-level), and read the engine's
+    own spec-decode counters."""
+    from vllm import SamplingParams
+
+    from tools.eagle3_layers import convert
+
+    results = {}
+    for reading, ids in readings.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "drafter"
+            convert(drafter, reading, out=copy, target=target,
+                    ids=None if has_ids else tuple(k - (reading == READINGS[1]) for k in ids))
+            spec = {"method": "eagle3", "model": str(copy), "num_speculative_tokens": K}
+            with _engine(model=str(target), speculative_config=spec, seed=0,
+                         disable_log_stats=False, **engine_args) as llm:
+                # Differences: the metrics live in the process-wide registry.
+                before = _spec_counts(llm)
+                llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                     ignore_eos=True), use_tqdm=False)
+                after = _spec_counts(llm)
+        results[reading] = Acceptance(after[0] - before[0],
+                                      [a - b for a, b in zip(after[1], before[1])])
+    return results
+
+
+def _spec_counts(llm: Any) -> tuple[int, list[int]]:
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts = metrics.get("vllm:spec_decode_num_drafts")
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return (int(drafts.value) if drafts else 0,
+            [int(x) for x in per_pos.values] if per_pos else [0] * K)
+
+
+def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
+              max_tokens: int = 64, write: bool = False, via: str = "auto",
+              engine_args: dict[str, Any] | None = None) -> tuple[list[str], str]:
+    """Lines to print and the verdict."""
+    from vllm.platforms import current_platform
+
+    drafter, target = Path(drafter), Path(target)
+    for what, d in (("drafter", drafter), ("target", target)):
+        if not (d / "config.json").is_file():
+            raise StackError(f"{d}/config.json does not exist: pass the {what}'s directory")
+    engine_args = dict(engine_args or {})
+    trust = bool(engine_args.get("trust_remote_code"))
+    tcfg, spec = configs(drafter, target, trust)
+    n = tcfg.hf_text_config.num_hidden_layers
+    try:
+        ids, source = engine_ids(spec.draft_model_config.hf_config, n)
+    except ValueError as e:
+        raise StackError(f"vLLM refuses the drafter's ids: {e}") from None
+    wanted = {READINGS[0]: ids, READINGS[1]: tuple(k + 1 for k in ids)}
+    readings = {r: v for r, v in wanted.items() if all(0 <= k <= n for k in v)}
+    if not readings:
+        raise StackError(f"aux ids {list(ids)} ({source}) are outside [0, {n}] under either "
+                         "reading: is --target the drafter's target? (`check` says more)")
+    if via == "auto":
+        via = "replay" if current_platform.is_cpu() else "spec-decode"
+    texts = _read_prompts(prompts)
+    lines = [f"drafter {drafter}, target {target} ({n} layers): aux ids {list(ids)} from "
+             f"{source}", f"{len(texts)} prompts x {max_tokens} greedy tokens, k = {K}, "
+             + ("replayed by vLLM's drafter class over the states the CPU engine captured"
+                if via == "replay" else "measured by the engine's spec-decode counters")]
+    if via == "replay":
+        results = _replay(drafter, target, readings, texts, max_tokens, engine_args)
+    else:
+        results = _spec_decode(drafter, target, readings, texts, max_tokens, engine_args,
+                               source.startswith(("top", "nested")))
+    if not any(r.drafts for r in results.values()):
+        raise StackError(f"no draft was made in {max_tokens} tokens per prompt: raise "
+                         "--max-tokens (each draft needs k + 1 tokens of continuation)")
+    for reading, v in wanted.items():
+        label = f"{reading:>15} {list(v)}"
+        lines.append(results[reading].line(label) if reading in results else
+                     f"{label}: not capturable, id {max(v)} is past the last layer ({n})")
+    result, why = verdict({r: results.get(r) for r in READINGS})
+    lines += [f"margin rule: {why}", f"verdict: {result}"]
+    if write:
+        if result == "undetermined":
+            raise StackError("\n".join(lines) + "\nnothing written: the verdict is "
+                             "undetermined (more or longer prompts narrow the margin)")
+        from tools.eagle3_layers import convert
+
+        has_ids = source.startswith(("top", "nested"))
+        lines += convert(drafter, result, target=target, ids=None if has_ids else ids)
+    return lines, result
