@@ -194,6 +194,16 @@ def glm5_config() -> str:
     return f"glm_moe_dsa -> {_CONFIG_REGISTRY['glm_moe_dsa']}"
 
 
+@check("Spec-Decode-Warn-when-EAGLE-3-aux-ids-come-only-from")
+def nested_ids_warning() -> str:
+    from vllm.config import speculative
+
+    msg = speculative.eagle3_nested_aux_layer_ids_warning((2, 30, 58), 61)
+    assert "vLLM ids [3, 31, 59]" in msg, msg
+    assert "_verify_eagle3_draft" in inspect.getsource(speculative.SpeculativeConfig)
+    return "warns at config time when only eagle_config names the ids"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])
