@@ -204,6 +204,22 @@ def nested_ids_warning() -> str:
     return "warns at config time when only eagle_config names the ids"
 
 
+@check("Spec-Decode-Check-EAGLE-3-aux-ids-and-refuse-PP-at-c")
+def config_time_checks() -> str:
+    from vllm.config import speculative
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    try:
+        speculative.check_eagle3_aux_layer_ids((2, 30, 62), 61, "here")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("accepts id 62 for a 61-layer target")
+    assert "_verify_eagle3_parallel" in inspect.getsource(speculative.SpeculativeConfig)
+    assert not issubclass(_resolve("Eagle3DeepseekV2ForCausalLM"), DeepseekV2ForCausalLM)
+    return "ids and PP checked by SpeculativeConfig; the MLA drafter claims no PP"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])

@@ -393,6 +393,8 @@ def test_llama_drafter_loads_and_applies_eagle31_fc_norm(cpu_env, model_dirs):
         num_key_value_heads=HEADS, vocab_size=VOCAB, hidden_size=HIDDEN,
         draft_vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-6,
         torch_dtype="float32", fc_norm=True, norm_output=True,
+        # The 6-layer target's default (2, 3, 3) repeats an id: refused.
+        eagle_aux_hidden_state_layer_ids=[1, 3, 5],
     )
     model = build_drafter(cpu_env, model_dirs, draft=draft)
     assert model.model.norm_output is True
