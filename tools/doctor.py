@@ -220,6 +220,15 @@ def config_time_checks() -> str:
     return "ids and PP checked by SpeculativeConfig; the MLA drafter claims no PP"
 
 
+@check("Spec-Decode-Refuse-EAGLE-3-with-DBO-micro-batching-a")
+def dbo_refused() -> str:
+    from vllm.config import speculative
+
+    source = inspect.getsource(speculative.SpeculativeConfig._verify_eagle3_parallel)
+    assert "use_ubatching" in source, "micro-batching is not checked"
+    return "EAGLE-3 with --enable-dbo / --ubatch-size refused at config time"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])

@@ -28,13 +28,14 @@ DRAFTERS = {
 
 @pytest.fixture
 def build(tiny_config, tmp_path, monkeypatch):
-    """``build(kind, target_layers=LAYERS, pp=1, **draft_fields)``: the
-    SpeculativeConfig of a ``kind`` drafter on a tiny DeepSeek-V3 target."""
+    """``build(kind, target_layers=LAYERS, parallel=None, **draft_fields)``:
+    the SpeculativeConfig of a ``kind`` drafter on a tiny DeepSeek-V3 target,
+    with ``parallel`` the ParallelConfig fields."""
     # The registry inspects model classes in a `python -m` subprocess, which
     # from the repository root would import the pristine vllm/ tree there.
     monkeypatch.chdir(tmp_path)
 
-    def make(kind: str, target_layers: int = LAYERS, pp: int = 1, **fields):
+    def make(kind: str, target_layers: int = LAYERS, parallel=None, **fields):
         base, extra = DRAFTERS[kind]
         target = tiny_config(
             "deepseek_v3", f"target{target_layers}", num_hidden_layers=target_layers,
@@ -46,7 +47,7 @@ def build(tiny_config, tmp_path, monkeypatch):
             target_model_config=ModelConfig(
                 model=target, tokenizer=target, skip_tokenizer_init=True
             ),
-            target_parallel_config=ParallelConfig(pipeline_parallel_size=pp),
+            target_parallel_config=ParallelConfig(**(parallel or {})),
         )
 
     return make
@@ -105,10 +106,34 @@ def test_no_aux_states_no_id_check(build):
 @pytest.mark.parametrize("kind", sorted(DRAFTERS))
 def test_pipeline_parallel_refused_with_an_eagle3_message(build, kind):
     with pytest.raises(ValueError) as exc_info:
-        build(kind, pp=2, **{TOP: [1, 2, 7]})
+        build(kind, parallel={"pipeline_parallel_size": 2}, **{TOP: [1, 2, 7]})
     msg = str(exc_info.value)
     assert "EAGLE-3" in msg and "pipeline_parallel_size=2" in msg, msg
     assert "--pipeline-parallel-size 1" in msg and "--tensor-parallel-size" in msg, msg
+
+
+@pytest.mark.parametrize("kind", sorted(DRAFTERS))
+@pytest.mark.parametrize(
+    "parallel, named",
+    [({"enable_dbo": True}, "enable_dbo=True"), ({"ubatch_size": 2}, "ubatch_size=2")],
+    ids=["dbo", "ubatch_size"],
+)
+def test_micro_batching_refused_naming_the_flag(build, kind, parallel, named):
+    """gpu_ubatch_wrapper torch.cat()s the per-micro-batch model outputs;
+    an EAGLE-3 target's output is a (hidden, [aux]) tuple, so DBO would
+    crash on the first micro-batched step."""
+    with pytest.raises(ValueError) as exc_info:
+        build(kind, parallel=parallel, **{TOP: [1, 2, 7]})
+    msg = str(exc_info.value)
+    assert "EAGLE-3" in msg and "micro-batching" in msg and named in msg, msg
+    assert "--enable-dbo" in msg, msg
+
+
+def test_micro_batching_allowed_when_the_drafter_takes_no_aux_states(build):
+    # use_aux_hidden_state false: the target returns a plain tensor.
+    config = build("llama", parallel={"enable_dbo": True},
+                   eagle_config={"use_aux_hidden_state": False})
+    assert config.target_parallel_config.use_ubatching
 
 
 def test_mla_drafter_claims_no_interface_it_lacks():
