@@ -229,6 +229,17 @@ def dbo_refused() -> str:
     return "EAGLE-3 with --enable-dbo / --ubatch-size refused at config time"
 
 
+@check("Model-Keep-float16-EAGLE-3-aux-states-of-DeepseekV2M")
+def fp16_finite() -> str:
+    import torch
+    from vllm.model_executor.models import deepseek_v2
+
+    big = torch.full((1, 2), 30000.0, dtype=torch.float16)
+    out = deepseek_v2._eagle3_aux_state(big, big, 2.5)
+    assert torch.isfinite(out).all(), "float16 aux state overflows to inf"
+    return "float16 aux states saturate at 65504, no inf"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])

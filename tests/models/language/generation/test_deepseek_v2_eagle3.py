@@ -293,3 +293,45 @@ def test_capture_traces_under_torch_compile(pp_group):
     same(hidden_states, expected_hidden)
     assert len(aux) == 3
     same(aux[2], pre_norm)
+
+
+# --- float16: the down-scaled residual stream, multiplied back ---
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def test_float16_aux_state_beyond_the_range_saturates_instead_of_inf():
+    """In float16 the stream is kept divided by routed_scaling_factor because
+    its true value can pass 65504; multiplying it back must not recreate the
+    overflow as inf (the drafter's fc would make NaN drafts of it)."""
+    h = torch.tensor([[30000.0, -30000.0, 100.0, 1.0]], dtype=torch.float16)
+    r = torch.tensor([[20000.0, -20000.0, 50.0, 1.0]], dtype=torch.float16)
+    out = deepseek_v2._eagle3_aux_state(h, r, 2.5)
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all(), out
+    # True values: +-125000 (past the range, saturated), 375 and 5 (exact).
+    expected = torch.tensor([[FP16_MAX, -FP16_MAX, 375.0, 5.0]], dtype=torch.float16)
+    same(out, expected)
+
+
+def test_float16_forward_captures_finite_true_scale_states(pp_group):
+    """Through DeepseekV2Model.forward: a float16 stream of ~4e4 (true value
+    ~1e5 after the x2.5) gives finite aux states, and in-range entries are
+    the true stream (2.5 x what the layer saw)."""
+    model = make_model(3).half()
+    model.config = SimpleNamespace(num_hidden_layers=3, routed_scaling_factor=2.5)
+    for layer in model.layers:
+        layer.use_mha = False
+    with torch.no_grad():
+        model.embed_tokens.weight.fill_(1.0)
+        model.embed_tokens.weight[:, 0] = 40000.0  # one feature past 65504 / 2.5
+    model.aux_hidden_state_layers = (1, 2, 3)
+    _, aux = run(model)
+    for layer_id, state in zip((1, 2, 3), aux, strict=True):
+        assert state.dtype == torch.float16
+        assert torch.isfinite(state).all(), (layer_id, state)
+        same(state[:, 0], torch.full_like(state[:, 0], FP16_MAX))
+        seen = model.layers[layer_id].inputs[0] if layer_id < 3 else None
+        if seen is not None:
+            torch.testing.assert_close(state[:, 1:].float(), 2.5 * seen[:, 1:].float(),
+                                       rtol=2e-3, atol=0)
