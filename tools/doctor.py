@@ -240,6 +240,15 @@ def fp16_finite() -> str:
     return "float16 aux states saturate at 65504, no inf"
 
 
+@check("Model-Merge-multimodal-embeddings-in-the-MLA-EAGLE-3")
+def mla_multimodal() -> str:
+    from vllm.model_executor.models import deepseek_eagle3
+
+    source = inspect.getsource(deepseek_eagle3.Eagle3DeepseekV2ForCausalLM.embed_input_ids)
+    assert "_merge_multimodal_embeddings" in source, "media embeddings ignored"
+    return "the MLA drafter drafts from the target's media embeddings"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])

@@ -271,6 +271,25 @@ def test_load_published_layout_consumes_every_tensor(cpu_env, model_dirs, mla):
     assert model.has_own_lm_head and model.has_own_embed_tokens
 
 
+def test_embed_input_ids_merges_multimodal_embeddings(cpu_env, model_dirs):
+    """On an image prompt of a multimodal target (Kimi-K2.5) the proposer
+    passes the target's media embeddings and their mask: the drafter must
+    draft from them, not from the placeholder token's text embedding."""
+    model = build_drafter(cpu_env, model_dirs)
+    model.load_weights(iter(checkpoint(seed=3).items()))
+    ids = torch.tensor([5, 7, 7, 7, 9])
+    is_mm = torch.tensor([False, True, True, True, False])
+    media = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(4))
+    text = model.embed_input_ids(ids)
+    got = model.embed_input_ids(ids, multimodal_embeddings=[media], is_multimodal=is_mm)
+    torch.testing.assert_close(got[is_mm], media, rtol=0, atol=0)
+    torch.testing.assert_close(got[~is_mm], text[~is_mm], rtol=0, atol=0)
+    # Text-only calls (and the proposer's probe with None) are unchanged.
+    torch.testing.assert_close(
+        model.embed_input_ids(ids, multimodal_embeddings=None), text, rtol=0, atol=0
+    )
+
+
 def test_layers_n_and_model_prefixed_names_load_too(cpu_env, model_dirs):
     model = build_drafter(cpu_env, model_dirs)
     ckpt = checkpoint(seed=2, prefix="layers.0.")
