@@ -249,6 +249,15 @@ def mla_multimodal() -> str:
     return "the MLA drafter drafts from the target's media embeddings"
 
 
+@check("Model-Refuse-EAGLE-3-aux-layer-changes-after-Deepsee")
+def no_change_after_compile() -> str:
+    from vllm.model_executor.models import deepseek_v2
+
+    source = inspect.getsource(deepseek_v2.DeepseekV2ForCausalLM.set_aux_hidden_state_layers)
+    assert "compiled" in source, "aux layers can change after compilation"
+    return "aux layers fixed once the target is compiled"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])

@@ -12,6 +12,7 @@ MLA attention kernels run in tests/e2e/gpu/test_eagle3_mla_drafter_e2e.py.
 from __future__ import annotations
 
 import json
+import math
 import re
 from types import SimpleNamespace
 
@@ -496,18 +497,49 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope_interleaved(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+# TorchSpec's Kimi-K2.5 eagle3-mla drafter's rope_scaling, as published.
+YARN = {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"}
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _inv_freq(yarn: dict | None) -> torch.Tensor:
+    """RoPE frequencies; with YaRN (DeepSeek's form), those of the dims that
+    rotate less than beta_slow times over the original context are divided by
+    the factor, those above beta_fast kept, with a linear ramp between."""
+    base = 10000.0
+    inv = 1.0 / (base ** (torch.arange(0, ROPE, 2).float() / ROPE))
+    if yarn is None:
+        return inv
+    orig, factor = yarn["original_max_position_embeddings"], yarn["factor"]
+
+    def dim_of(rotations: float) -> float:
+        return ROPE * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_of(yarn["beta_fast"])), 0)
+    high = min(math.ceil(dim_of(yarn["beta_slow"])), ROPE - 1)
+    ramp = ((torch.arange(ROPE // 2).float() - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def _rope_interleaved(x: torch.Tensor, pos: torch.Tensor, yarn=None) -> torch.Tensor:
     """DeepSeek's rotary embedding on the last dim: pairs (2i, 2i+1)."""
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, ROPE, 2).float() / ROPE))
-    ang = pos[:, None].float() * inv_freq[None]  # [T, ROPE/2]
+    ang = pos[:, None].float() * _inv_freq(yarn)[None]  # [T, ROPE/2]
     while ang.dim() < x.dim():
         ang = ang.unsqueeze(-2)
-    cos, sin = ang.cos(), ang.sin()
+    # YaRN scales cos/sin by mscale / mscale_all_dim: 1 in the published configs.
+    m = 1.0 if yarn is None else (_yarn_mscale(yarn["factor"], yarn["mscale"])
+                                  / _yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]))
+    cos, sin = ang.cos() * m, ang.sin() * m
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
 
 
-def reference_draft_step(ckpt, ids, pos, fused, embed):
+def reference_draft_step(ckpt, ids, pos, fused, embed, yarn=None):
     """One EAGLE-3 MLA draft step, written out from the checkpoint tensors."""
     m, a = "midlayer.", "midlayer.self_attn."
     T = ids.shape[0]
@@ -519,11 +551,14 @@ def reference_draft_step(ckpt, ids, pos, fused, embed):
     kv_c, k_pe = kv_a.split([KV_LORA, ROPE], dim=-1)
     kv = _rms(kv_c, ckpt[a + "kv_a_layernorm.weight"]) @ ckpt[a + "kv_b_proj.weight"].T
     k_nope, v = kv.view(T, HEADS, NOPE + V_DIM).split([NOPE, V_DIM], dim=-1)
-    q_pe = _rope_interleaved(q[..., NOPE:], pos)
-    k_pe = _rope_interleaved(k_pe, pos)[:, None].expand(T, HEADS, ROPE)
+    q_pe = _rope_interleaved(q[..., NOPE:], pos, yarn)
+    k_pe = _rope_interleaved(k_pe, pos, yarn)[:, None].expand(T, HEADS, ROPE)
     q = torch.cat([q[..., :NOPE], q_pe], -1).transpose(0, 1)
     k = torch.cat([k_nope, k_pe], -1).transpose(0, 1)
-    scores = (q @ k.transpose(1, 2)) * (NOPE + ROPE) ** -0.5
+    scale = (NOPE + ROPE) ** -0.5
+    if yarn is not None:  # DeepSeek's YaRN attention temperature
+        scale *= _yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+    scores = (q @ k.transpose(1, 2)) * scale
     scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
     attn = (scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1).reshape(T, -1)
     h = attn @ ckpt[a + "o_proj.weight"].T + fused  # residual: the fused state
@@ -551,8 +586,9 @@ class _CausalAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(T, -1)
 
 
+@pytest.mark.parametrize("yarn", [None, YARN], ids=["rope", "yarn"])
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
-def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31):
+def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31, yarn):
     """The draft layer's forward (MLA off) equals the draft step written out
     by hand. custom_ops none: v0.16.0's CPU rotary kernel mis-rotates the
     strided q_pe view DeepseekV2Attention passes it (a stock bug unrelated to
@@ -563,8 +599,15 @@ def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31):
 
     draft = None
     ckpt = checkpoint(seed=4)
+    # YaRN as the published drafters have it: its frequencies and its
+    # attention temperature (mscale) must both reach the draft layer.
+    rope = {} if yarn is None else dict(rope_scaling=dict(yarn),
+                                        max_position_embeddings=4096 * 64)
+    name = ("eagle31" if eagle31 else "eagle3") + ("_yarn" if yarn else "")
+    if yarn and not eagle31:
+        draft = model_dirs.write(name, **{**DRAFT, **rope})
     if eagle31:
-        draft = model_dirs.write("eagle31", **DRAFT, fc_norm=True, norm_output=True)
+        draft = model_dirs.write(name, **{**DRAFT, **rope}, fc_norm=True, norm_output=True)
         g = torch.Generator().manual_seed(6)
         fc_in = [1.0 + 0.2 * torch.randn(HIDDEN, generator=g) for _ in AUX_IDS]
         ckpt.update({f"fc_norm.{i}.weight": w for i, w in enumerate(fc_in)})
@@ -589,7 +632,8 @@ def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31):
         chunks = aux.split(HIDDEN, dim=-1)
         fc_input = torch.cat([_rms(c, w) for c, w in zip(chunks, fc_in)], dim=-1)
     ref_out, ref_prenorm = reference_draft_step(
-        ckpt, ids, pos, fc_input @ ckpt["fc.weight"].T, ckpt["embed_tokens.weight"]
+        ckpt, ids, pos, fc_input @ ckpt["fc.weight"].T, ckpt["embed_tokens.weight"],
+        yarn,
     )
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     # What the proposer feeds into the next draft step.

@@ -335,3 +335,67 @@ def test_float16_forward_captures_finite_true_scale_states(pp_group):
         if seen is not None:
             torch.testing.assert_close(state[:, 1:].float(), 2.5 * seen[:, 1:].float(),
                                        rtol=2e-3, atol=0)
+
+
+# --- mutations the other tests did not catch (docs/loo.md lists them) ---
+
+
+def test_id0_state_is_a_copy_not_the_input_buffer(pp_group):
+    """Id 0 is the embedding before layer 0; the runner passes its
+    persistent inputs_embeds buffer, which the next step overwrites (and a
+    CUDA graph replays into), so the captured state must be a copy."""
+    model = make_model(3)
+    model.aux_hidden_state_layers = (0, 2)
+    buf = torch.randn(5, HIDDEN)
+    want = buf.clone()
+    _, aux = model.forward(None, torch.arange(5), None, inputs_embeds=buf)
+    assert aux[0].data_ptr() != buf.data_ptr()
+    buf.fill_(7.0)  # the next step's inputs
+    same(aux[0], want)
+
+
+def test_aux_layers_cannot_change_after_the_model_compiled(pp_group):
+    """vLLM compiles DeepseekV2Model without guards, so ids set after the
+    first (compiling) forward would be ignored by the graph silently."""
+    lm = make_causal_lm(num_layers=61)
+    lm.set_aux_hidden_state_layers((2, 30, 58))
+    lm.model.compiled = True  # what support_torch_compile sets after tracing
+    lm.set_aux_hidden_state_layers((2, 30, 58))  # unchanged: fine
+    with pytest.raises(RuntimeError, match=r"after DeepseekV2Model was compiled"):
+        lm.set_aux_hidden_state_layers((3, 31, 59))
+    assert lm.model.aux_hidden_state_layers == (2, 30, 58)
+
+
+@pytest.mark.regression
+def test_sequence_parallel_moe_returns_every_token(monkeypatch):
+    """The capture takes the stream between layers as full [num_tokens,
+    hidden] states; v0.16.0's sequence-parallel MoE chunks tokens per TP
+    rank and all-gathers them back inside the block. Pinned here (TP = 2
+    simulated, rank 0) because a sharded MoE output would be captured
+    sharded, as upstream's later change needed an extra gather for."""
+    tokens, tp = 5, 2
+    chunk = -(-tokens // tp)
+
+    def seq_chunk(x):  # rank 0's share, padded as sequence_parallel_chunk does
+        return torch.nn.functional.pad(x, (0, 0, 0, chunk * tp - x.shape[0]))[:chunk]
+
+    gathered = []
+    monkeypatch.setattr(deepseek_v2, "sequence_parallel_chunk", seq_chunk)
+    monkeypatch.setattr(
+        deepseek_v2, "tensor_model_parallel_all_gather",
+        lambda x, dim: gathered.append(x.shape[0]) or torch.cat([x] * tp, dim),
+    )
+    moe = object.__new__(deepseek_v2.DeepseekV2MoE)
+    nn.Module.__init__(moe)
+    moe.is_sequence_parallel, moe.tp_size = True, tp
+    moe.routed_scaling_factor, moe.is_rocm_aiter_moe_enabled = 2.5, False
+    moe.shared_experts = None
+    moe.gate = lambda x: (x[:, :4], None)
+    moe.experts = SimpleNamespace(is_internal_router=False)
+    moe.experts = type("Experts", (), {
+        "is_internal_router": False,
+        "__call__": lambda self, hidden_states, router_logits: (None, hidden_states * 2),
+    })()
+    out = moe.forward(torch.randn(tokens, HIDDEN))
+    assert gathered == [chunk]  # the experts saw rank 0's share only
+    assert out.shape == (tokens, HIDDEN)
