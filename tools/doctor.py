@@ -258,6 +258,17 @@ def no_change_after_compile() -> str:
     return "aux layers fixed once the target is compiled"
 
 
+@check("Spec-Decode-Read-eagle_config-one-way-in-every-EAGLE")
+def eagle_config_forms() -> str:
+    from transformers import LlamaConfig, PretrainedConfig
+    from vllm.config import SpeculativeConfig
+
+    config = LlamaConfig(architectures=["LlamaForCausalLM"])
+    config.eagle_config = PretrainedConfig(eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+    assert SpeculativeConfig.is_eagle3_draft_config(config), "object eagle_config ignored"
+    return "eagle_config read as a dict or a config object alike"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])

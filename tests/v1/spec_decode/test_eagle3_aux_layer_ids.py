@@ -238,3 +238,36 @@ def test_runner_logs_its_line_on_the_first_rank_only(monkeypatch):
         assert target.layers == (2, 30, 58)
         assert len(lines) == expected, lines
         assert all(line.startswith("info: ") for line in lines), lines
+
+
+# --- eagle_config as a dict or as a config object, read the same everywhere ---
+
+
+@pytest.mark.parametrize("form", ["dict", "config_object"])
+def test_every_eagle_config_reader_takes_both_forms(form):
+    """Drafter JSON gives a dict; a config built in code may hold a
+    PretrainedConfig. Each reader must get the same answer from both: the
+    MTP rewrite guard, the compile-cache factors, the MLA drafter, the
+    proposer and the config-time check."""
+    from transformers import PretrainedConfig
+
+    from vllm.model_executor.models import deepseek_eagle3
+    from vllm.v1.spec_decode.eagle import SpecDecodeBaseProposer
+
+    fields = {"use_aux_hidden_state": False, TOP: [1, 2, 3]}
+    hf = LlamaConfig(architectures=["LlamaForCausalLM"])
+    hf.eagle_config = fields if form == "dict" else PretrainedConfig(**fields)
+
+    assert SpeculativeConfig.is_eagle3_draft_config(hf)
+    assert deepseek_eagle3._use_aux_hidden_state(hf) is False
+    assert get_eagle3_aux_layer_ids(hf) == ((1, 2, 3), NESTED)
+
+    spec = object.__new__(SpeculativeConfig)
+    draft = SimpleNamespace(hf_config=hf, compute_hash=lambda: "draft")
+    object.__setattr__(spec, "draft_model_config", draft)
+    assert spec._eagle3_graph_factors() == ["draft", (1, 2, 3), False]
+    assert spec._eagle3_uses_aux_states() is False
+
+    proposer = object.__new__(SpecDecodeBaseProposer)
+    proposer.method, proposer.draft_model_config = "eagle3", draft
+    assert proposer._get_eagle3_use_aux_hidden_state_from_config() is False
