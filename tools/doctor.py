@@ -128,6 +128,23 @@ def attention_input_size() -> str:
 
 @check("Model-Add-the-EAGLE-3-drafter-with-a-DeepSeek-MLA-dr")
 def mla_drafter() -> str:
+    from vllm.model_executor.models import deepseek_eagle3
+
+    source = inspect.getsource(deepseek_eagle3.Eagle3DeepseekV2ForCausalLM.load_weights)
+    assert "AutoWeightsLoader" in source, "the drafter does not load through AutoWeightsLoader"
+    return "deepseek_eagle3.Eagle3DeepseekV2ForCausalLM, loaded via AutoWeightsLoader"
+
+
+@check("Model-Check-DeepSeek-MLA-EAGLE-3-drafter-checkpoints")
+def mla_drafter_checks() -> str:
+    from vllm.model_executor.models import deepseek_eagle3
+
+    assert hasattr(deepseek_eagle3.Eagle3DeepseekV2ForCausalLM, "_checkpoint_shapes")
+    return "checkpoint shapes, completeness and d2t checked while loading"
+
+
+@check("Model-Register-the-DeepSeek-MLA-EAGLE-3-drafter")
+def mla_drafter_registered() -> str:
     names = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM",
              "DeepseekV3ForCausalLMEagle3")
     for name in names:

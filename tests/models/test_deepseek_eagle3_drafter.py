@@ -291,6 +291,28 @@ def test_embed_input_ids_merges_multimodal_embeddings(cpu_env, model_dirs):
     )
 
 
+def test_loads_through_auto_weights_loader(cpu_env, model_dirs, monkeypatch):
+    """vLLM's AutoWeightsLoader dispatches the mapped names (upstream
+    review's ask); the drafter adds only the renaming and its checks."""
+    from vllm.model_executor.models import utils
+
+    calls: list[str] = []
+    original = utils.AutoWeightsLoader.load_weights
+
+    def recording(self, weights, *args, **kwargs):
+        calls.append(type(self.module).__name__)
+        return original(self, weights, *args, **kwargs)
+
+    monkeypatch.setattr(utils.AutoWeightsLoader, "load_weights", recording)
+    model = build_drafter(cpu_env, model_dirs)
+    ckpt = checkpoint(seed=5)
+    assert model.load_weights(iter(ckpt.items())) == {
+        name for name, _ in model.named_parameters()
+    }
+    assert calls == ["Eagle3DeepseekV2ForCausalLM"]
+    assert_loaded(model, ckpt, fused=False)
+
+
 def test_layers_n_and_model_prefixed_names_load_too(cpu_env, model_dirs):
     model = build_drafter(cpu_env, model_dirs)
     ckpt = checkpoint(seed=2, prefix="layers.0.")
