@@ -128,6 +128,23 @@ def attention_input_size() -> str:
 
 @check("Model-Add-the-EAGLE-3-drafter-with-a-DeepSeek-MLA-dr")
 def mla_drafter() -> str:
+    from vllm.model_executor.models import deepseek_eagle3
+
+    source = inspect.getsource(deepseek_eagle3.Eagle3DeepseekV2ForCausalLM.load_weights)
+    assert "AutoWeightsLoader" in source, "the drafter does not load through AutoWeightsLoader"
+    return "deepseek_eagle3.Eagle3DeepseekV2ForCausalLM, loaded via AutoWeightsLoader"
+
+
+@check("Model-Check-DeepSeek-MLA-EAGLE-3-drafter-checkpoints")
+def mla_drafter_checks() -> str:
+    from vllm.model_executor.models import deepseek_eagle3
+
+    assert hasattr(deepseek_eagle3.Eagle3DeepseekV2ForCausalLM, "_checkpoint_shapes")
+    return "checkpoint shapes, completeness and d2t checked while loading"
+
+
+@check("Model-Register-the-DeepSeek-MLA-EAGLE-3-drafter")
+def mla_drafter_registered() -> str:
     names = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM",
              "DeepseekV3ForCausalLMEagle3")
     for name in names:
@@ -192,6 +209,81 @@ def glm5_config() -> str:
 
     assert "glm_moe_dsa" in _CONFIG_REGISTRY, "no glm_moe_dsa config class"
     return f"glm_moe_dsa -> {_CONFIG_REGISTRY['glm_moe_dsa']}"
+
+
+@check("Spec-Decode-Warn-when-EAGLE-3-aux-ids-come-only-from")
+def nested_ids_warning() -> str:
+    from vllm.config import speculative
+
+    msg = speculative.eagle3_nested_aux_layer_ids_warning((2, 30, 58), 61)
+    assert "vLLM ids [3, 31, 59]" in msg, msg
+    assert "_verify_eagle3_draft" in inspect.getsource(speculative.SpeculativeConfig)
+    return "warns at config time when only eagle_config names the ids"
+
+
+@check("Spec-Decode-Check-EAGLE-3-aux-ids-and-refuse-PP-at-c")
+def config_time_checks() -> str:
+    from vllm.config import speculative
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    try:
+        speculative.check_eagle3_aux_layer_ids((2, 30, 62), 61, "here")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("accepts id 62 for a 61-layer target")
+    assert "_verify_eagle3_parallel" in inspect.getsource(speculative.SpeculativeConfig)
+    assert not issubclass(_resolve("Eagle3DeepseekV2ForCausalLM"), DeepseekV2ForCausalLM)
+    return "ids and PP checked by SpeculativeConfig; the MLA drafter claims no PP"
+
+
+@check("Spec-Decode-Refuse-EAGLE-3-with-DBO-micro-batching-a")
+def dbo_refused() -> str:
+    from vllm.config import speculative
+
+    source = inspect.getsource(speculative.SpeculativeConfig._verify_eagle3_parallel)
+    assert "use_ubatching" in source, "micro-batching is not checked"
+    return "EAGLE-3 with --enable-dbo / --ubatch-size refused at config time"
+
+
+@check("Model-Keep-float16-EAGLE-3-aux-states-of-DeepseekV2M")
+def fp16_finite() -> str:
+    import torch
+    from vllm.model_executor.models import deepseek_v2
+
+    big = torch.full((1, 2), 30000.0, dtype=torch.float16)
+    out = deepseek_v2._eagle3_aux_state(big, big, 2.5)
+    assert torch.isfinite(out).all(), "float16 aux state overflows to inf"
+    return "float16 aux states saturate at 65504, no inf"
+
+
+@check("Model-Merge-multimodal-embeddings-in-the-MLA-EAGLE-3")
+def mla_multimodal() -> str:
+    from vllm.model_executor.models import deepseek_eagle3
+
+    source = inspect.getsource(deepseek_eagle3.Eagle3DeepseekV2ForCausalLM.embed_input_ids)
+    assert "_merge_multimodal_embeddings" in source, "media embeddings ignored"
+    return "the MLA drafter drafts from the target's media embeddings"
+
+
+@check("Model-Refuse-EAGLE-3-aux-layer-changes-after-Deepsee")
+def no_change_after_compile() -> str:
+    from vllm.model_executor.models import deepseek_v2
+
+    source = inspect.getsource(deepseek_v2.DeepseekV2ForCausalLM.set_aux_hidden_state_layers)
+    assert "compiled" in source, "aux layers can change after compilation"
+    return "aux layers fixed once the target is compiled"
+
+
+@check("Spec-Decode-Read-eagle_config-one-way-in-every-EAGLE")
+def eagle_config_forms() -> str:
+    from transformers import LlamaConfig, PretrainedConfig
+    from vllm.config import SpeculativeConfig
+
+    config = LlamaConfig(architectures=["LlamaForCausalLM"])
+    config.eagle_config = PretrainedConfig(eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+    assert SpeculativeConfig.is_eagle3_draft_config(config), "object eagle_config ignored"
+    return "eagle_config read as a dict or a config object alike"
 
 
 def main(argv: list[str] | None = None) -> int:

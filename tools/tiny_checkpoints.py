@@ -11,6 +11,9 @@ shipped as checkpoint code, as the real one is), ``glm5`` and ``deepseek-v32``
 layer reading [embeds, hidden]). Weights are drawn so that a skipped norm or an
 ignored routing correction bias changes the output. Every kind gets a
 byte-level BPE tokenizer (one token per UTF-8 byte) plus special tokens.
+The DeepSeek-V3 and Kimi-K2.5 targets and the MLA drafter use YaRN with the
+published configs' rope_scaling (``DEEPSEEK_YARN``, ``KIMI_YARN``), as the
+real models do; GLM-5 and DeepSeek-V3.2 keep plain RoPE.
 
 Only torch and safetensors, so the GPU harness imports it as is::
 
@@ -40,6 +43,25 @@ BASE_SPECIALS: tuple[str, ...] = (BOS, EOS, PAD) + KIMI_MEDIA_TOKENS
 # The config's vocab_size; tokens past the named ones are "<|reserved_N|>"
 # specials, so every id the random lm_head can pick decodes cleanly.
 VOCAB_SIZE = 320
+# rope_scaling as published: DeepSeek-R1's config.json and TorchSpec's
+# Kimi-K2.5 eagle3-mla drafter (tests/v1/spec_decode/published_configs). With
+# mscale == mscale_all_dim the rotary itself is unscaled and the attention
+# softmax scale is multiplied by (0.1 * ln(factor) + 1) ** 2 (1.87 and 2.00).
+DEEPSEEK_YARN: dict[str, Any] = {
+    "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn",
+}
+KIMI_YARN: dict[str, Any] = {
+    "beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0,
+    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn",
+}
+
+
+def _yarn(rope: dict[str, Any]) -> dict[str, Any]:
+    """Config fields for YaRN ``rope``: a copy (configs get patched in
+    place) and the extended context it implies."""
+    return {"rope_scaling": dict(rope), "max_position_embeddings": int(
+        rope["original_max_position_embeddings"] * rope["factor"])}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -274,7 +296,7 @@ def _finish(
 def write_deepseek_v3(
     outdir: Path, seed: int, dtype: str = "float32", **overrides: Any
 ) -> Written:
-    cfg = deepseek_v3_text_config(torch_dtype=dtype, **overrides)
+    cfg = deepseek_v3_text_config(torch_dtype=dtype, **{**_yarn(DEEPSEEK_YARN), **overrides})
     w = WeightWriter(seed, DTYPES[dtype])
     _write_deepseek_text_weights(w, cfg, prefix="")
     return _finish("deepseek-v3", outdir, w, cfg, write_tokenizer(outdir))
@@ -378,7 +400,7 @@ class TinyKimiK25MediaProcessor(BaseImageProcessor):
 def write_kimi_k25(
     outdir: Path, seed: int, dtype: str = "float32", **overrides: Any
 ) -> Written:
-    text = deepseek_v3_text_config(torch_dtype=dtype, **overrides)
+    text = deepseek_v3_text_config(torch_dtype=dtype, **{**_yarn(KIMI_YARN), **overrides})
     text.pop("architectures")
     vis: dict[str, Any] = {
         "model_type": "kimi_k25_vision", "patch_size": 14,
@@ -539,6 +561,7 @@ def eagle3_mla_drafter_config(
     target's DeepSeek-V3 text config cut to one dense layer, plus the EAGLE-3
     fields (as the published eagle3-mla drafters ship it)."""
     cfg = deepseek_v3_text_config(
+        **_yarn(DEEPSEEK_YARN),
         architectures=["Eagle3DeepseekV2ForCausalLM"],
         model_type=model_type,
         num_hidden_layers=1,

@@ -12,6 +12,7 @@ MLA attention kernels run in tests/e2e/gpu/test_eagle3_mla_drafter_e2e.py.
 from __future__ import annotations
 
 import json
+import math
 import re
 from types import SimpleNamespace
 
@@ -271,6 +272,47 @@ def test_load_published_layout_consumes_every_tensor(cpu_env, model_dirs, mla):
     assert model.has_own_lm_head and model.has_own_embed_tokens
 
 
+def test_embed_input_ids_merges_multimodal_embeddings(cpu_env, model_dirs):
+    """On an image prompt of a multimodal target (Kimi-K2.5) the proposer
+    passes the target's media embeddings and their mask: the drafter must
+    draft from them, not from the placeholder token's text embedding."""
+    model = build_drafter(cpu_env, model_dirs)
+    model.load_weights(iter(checkpoint(seed=3).items()))
+    ids = torch.tensor([5, 7, 7, 7, 9])
+    is_mm = torch.tensor([False, True, True, True, False])
+    media = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(4))
+    text = model.embed_input_ids(ids)
+    got = model.embed_input_ids(ids, multimodal_embeddings=[media], is_multimodal=is_mm)
+    torch.testing.assert_close(got[is_mm], media, rtol=0, atol=0)
+    torch.testing.assert_close(got[~is_mm], text[~is_mm], rtol=0, atol=0)
+    # Text-only calls (and the proposer's probe with None) are unchanged.
+    torch.testing.assert_close(
+        model.embed_input_ids(ids, multimodal_embeddings=None), text, rtol=0, atol=0
+    )
+
+
+def test_loads_through_auto_weights_loader(cpu_env, model_dirs, monkeypatch):
+    """vLLM's AutoWeightsLoader dispatches the mapped names (upstream
+    review's ask); the drafter adds only the renaming and its checks."""
+    from vllm.model_executor.models import utils
+
+    calls: list[str] = []
+    original = utils.AutoWeightsLoader.load_weights
+
+    def recording(self, weights, *args, **kwargs):
+        calls.append(type(self.module).__name__)
+        return original(self, weights, *args, **kwargs)
+
+    monkeypatch.setattr(utils.AutoWeightsLoader, "load_weights", recording)
+    model = build_drafter(cpu_env, model_dirs)
+    ckpt = checkpoint(seed=5)
+    assert model.load_weights(iter(ckpt.items())) == {
+        name for name, _ in model.named_parameters()
+    }
+    assert calls == ["Eagle3DeepseekV2ForCausalLM"]
+    assert_loaded(model, ckpt, fused=False)
+
+
 def test_layers_n_and_model_prefixed_names_load_too(cpu_env, model_dirs):
     model = build_drafter(cpu_env, model_dirs)
     ckpt = checkpoint(seed=2, prefix="layers.0.")
@@ -393,6 +435,8 @@ def test_llama_drafter_loads_and_applies_eagle31_fc_norm(cpu_env, model_dirs):
         num_key_value_heads=HEADS, vocab_size=VOCAB, hidden_size=HIDDEN,
         draft_vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-6,
         torch_dtype="float32", fc_norm=True, norm_output=True,
+        # The 6-layer target's default (2, 3, 3) repeats an id: refused.
+        eagle_aux_hidden_state_layer_ids=[1, 3, 5],
     )
     model = build_drafter(cpu_env, model_dirs, draft=draft)
     assert model.model.norm_output is True
@@ -475,18 +519,49 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope_interleaved(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+# TorchSpec's Kimi-K2.5 eagle3-mla drafter's rope_scaling, as published.
+YARN = {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"}
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _inv_freq(yarn: dict | None) -> torch.Tensor:
+    """RoPE frequencies; with YaRN (DeepSeek's form), those of the dims that
+    rotate less than beta_slow times over the original context are divided by
+    the factor, those above beta_fast kept, with a linear ramp between."""
+    base = 10000.0
+    inv = 1.0 / (base ** (torch.arange(0, ROPE, 2).float() / ROPE))
+    if yarn is None:
+        return inv
+    orig, factor = yarn["original_max_position_embeddings"], yarn["factor"]
+
+    def dim_of(rotations: float) -> float:
+        return ROPE * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_of(yarn["beta_fast"])), 0)
+    high = min(math.ceil(dim_of(yarn["beta_slow"])), ROPE - 1)
+    ramp = ((torch.arange(ROPE // 2).float() - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def _rope_interleaved(x: torch.Tensor, pos: torch.Tensor, yarn=None) -> torch.Tensor:
     """DeepSeek's rotary embedding on the last dim: pairs (2i, 2i+1)."""
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, ROPE, 2).float() / ROPE))
-    ang = pos[:, None].float() * inv_freq[None]  # [T, ROPE/2]
+    ang = pos[:, None].float() * _inv_freq(yarn)[None]  # [T, ROPE/2]
     while ang.dim() < x.dim():
         ang = ang.unsqueeze(-2)
-    cos, sin = ang.cos(), ang.sin()
+    # YaRN scales cos/sin by mscale / mscale_all_dim: 1 in the published configs.
+    m = 1.0 if yarn is None else (_yarn_mscale(yarn["factor"], yarn["mscale"])
+                                  / _yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]))
+    cos, sin = ang.cos() * m, ang.sin() * m
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
 
 
-def reference_draft_step(ckpt, ids, pos, fused, embed):
+def reference_draft_step(ckpt, ids, pos, fused, embed, yarn=None):
     """One EAGLE-3 MLA draft step, written out from the checkpoint tensors."""
     m, a = "midlayer.", "midlayer.self_attn."
     T = ids.shape[0]
@@ -498,11 +573,14 @@ def reference_draft_step(ckpt, ids, pos, fused, embed):
     kv_c, k_pe = kv_a.split([KV_LORA, ROPE], dim=-1)
     kv = _rms(kv_c, ckpt[a + "kv_a_layernorm.weight"]) @ ckpt[a + "kv_b_proj.weight"].T
     k_nope, v = kv.view(T, HEADS, NOPE + V_DIM).split([NOPE, V_DIM], dim=-1)
-    q_pe = _rope_interleaved(q[..., NOPE:], pos)
-    k_pe = _rope_interleaved(k_pe, pos)[:, None].expand(T, HEADS, ROPE)
+    q_pe = _rope_interleaved(q[..., NOPE:], pos, yarn)
+    k_pe = _rope_interleaved(k_pe, pos, yarn)[:, None].expand(T, HEADS, ROPE)
     q = torch.cat([q[..., :NOPE], q_pe], -1).transpose(0, 1)
     k = torch.cat([k_nope, k_pe], -1).transpose(0, 1)
-    scores = (q @ k.transpose(1, 2)) * (NOPE + ROPE) ** -0.5
+    scale = (NOPE + ROPE) ** -0.5
+    if yarn is not None:  # DeepSeek's YaRN attention temperature
+        scale *= _yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+    scores = (q @ k.transpose(1, 2)) * scale
     scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
     attn = (scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1).reshape(T, -1)
     h = attn @ ckpt[a + "o_proj.weight"].T + fused  # residual: the fused state
@@ -530,8 +608,9 @@ class _CausalAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(T, -1)
 
 
+@pytest.mark.parametrize("yarn", [None, YARN], ids=["rope", "yarn"])
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
-def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31):
+def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31, yarn):
     """The draft layer's forward (MLA off) equals the draft step written out
     by hand. custom_ops none: v0.16.0's CPU rotary kernel mis-rotates the
     strided q_pe view DeepseekV2Attention passes it (a stock bug unrelated to
@@ -542,8 +621,15 @@ def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31):
 
     draft = None
     ckpt = checkpoint(seed=4)
+    # YaRN as the published drafters have it: its frequencies and its
+    # attention temperature (mscale) must both reach the draft layer.
+    rope = {} if yarn is None else dict(rope_scaling=dict(yarn),
+                                        max_position_embeddings=4096 * 64)
+    name = ("eagle31" if eagle31 else "eagle3") + ("_yarn" if yarn else "")
+    if yarn and not eagle31:
+        draft = model_dirs.write(name, **{**DRAFT, **rope})
     if eagle31:
-        draft = model_dirs.write("eagle31", **DRAFT, fc_norm=True, norm_output=True)
+        draft = model_dirs.write(name, **{**DRAFT, **rope}, fc_norm=True, norm_output=True)
         g = torch.Generator().manual_seed(6)
         fc_in = [1.0 + 0.2 * torch.randn(HIDDEN, generator=g) for _ in AUX_IDS]
         ckpt.update({f"fc_norm.{i}.weight": w for i, w in enumerate(fc_in)})
@@ -568,7 +654,8 @@ def test_draft_step_matches_a_reference(cpu_env, model_dirs, eagle31):
         chunks = aux.split(HIDDEN, dim=-1)
         fc_input = torch.cat([_rms(c, w) for c, w in zip(chunks, fc_in)], dim=-1)
     ref_out, ref_prenorm = reference_draft_step(
-        ckpt, ids, pos, fc_input @ ckpt["fc.weight"].T, ckpt["embed_tokens.weight"]
+        ckpt, ids, pos, fc_input @ ckpt["fc.weight"].T, ckpt["embed_tokens.weight"],
+        yarn,
     )
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     # What the proposer feeds into the next draft step.

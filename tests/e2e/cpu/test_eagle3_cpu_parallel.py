@@ -191,12 +191,12 @@ def test_pp2_runs_on_the_cpu_engine_without_eagle3(
     assert checked >= 0.9 * len(PROMPTS) * MAX_TOKENS, checked
 
 
-@pytest.mark.regression
-def test_pp2_eagle3_stopped_by_vllm_drafter_pp_check(
+def test_pp2_eagle3_refused_at_config_time_naming_the_fix(
     harness: ModuleType, tiny_ckpts: dict[str, Any], worker_processes: Any
 ) -> None:
-    """What a v0.16.0 user gets for EAGLE-3 with PP = 2 (stock and patched):
-    the drafter is refused while building the config, before any worker."""
+    """EAGLE-3 with PP = 2 is refused while the config is built, before any
+    worker, by an EAGLE-3 message that names the fix (v0.16.0 said only
+    "Pipeline parallelism is not supported for this model")."""
     from vllm import LLM
 
     kwargs = harness.engine_kwargs(
@@ -207,11 +207,12 @@ def test_pp2_eagle3_stopped_by_vllm_drafter_pp_check(
         },
     )
     llm = None
-    with pytest.raises(NotImplementedError) as excinfo:
+    with pytest.raises(ValueError) as excinfo:
         llm = LLM(**kwargs)
     assert llm is None
     msg = str(excinfo.value)
-    assert "Pipeline parallelism is not supported for this model" in msg, msg
+    assert "EAGLE-3" in msg and "pipeline_parallel_size=2" in msg, msg
+    assert "--pipeline-parallel-size 1" in msg, msg
     frames = [entry.name for entry in excinfo.traceback]
     assert "create_speculative_config" in frames, frames
 

@@ -5,7 +5,8 @@ path is driven on CPU: _eagle3_cpu_harness.py).
 
 DeepSeek-V3 (ids 0..6 of a 6-layer target: embedding, every layer input, the
 last layer's output before the norm) over a batch with chunked prefill;
-greedy tokens unchanged by capture; an out-of-range id fails engine start.
+greedy tokens unchanged by capture; an out-of-range id is refused while
+the engine config is built.
 Also: float16 (the residual-stream scaling), a published drafter's nested ids
 on a shrunk published target, and Kimi-K2.5's multimodal wrapper.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -90,26 +92,39 @@ def test_greedy_identical_with_aux_on_and_off(
         harness.assert_chunked_prefill_and_decode(run, STEP_TOKEN_BUDGET, MAX_TOKENS)
 
 
-def test_out_of_range_aux_layer_id_fails_at_engine_start(
-    harness: ModuleType, tiny_ckpts: dict[str, Any]
+def test_out_of_range_aux_layer_id_fails_before_any_weight_loads(
+    harness: ModuleType, tiny_ckpts: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The engine config refuses the id, from the target's config.json and
+    the drafter's alone: no engine process, no model class built, no weight
+    read (a Kimi-K2.5 start used to fail only after loading the target)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import base_loader
+
+    def no_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a model was loaded before the ids were checked")
+
+    monkeypatch.setattr(base_loader.BaseModelLoader, "load_model", no_load)
     n = tiny_ckpts["dsv3_layers"]
-    kwargs = harness.engine_kwargs(
-        tiny_ckpts["dsv3"], draft=tiny_ckpts["draft_bad_ids"]
+    args = EngineArgs(
+        model=str(tiny_ckpts["dsv3"]), dtype="float32", max_model_len=256,
+        enforce_eager=True, speculative_config={
+            "method": "eagle3", "model": str(tiny_ckpts["draft_bad_ids"]),
+            "num_speculative_tokens": 3,
+        },
     )
-    started = False
-    with pytest.raises(ValueError) as excinfo, harness.running_engine(**kwargs):
-        started = True
-    assert not started, "the engine started; the error came later"
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as excinfo:
+        args.create_engine_config()
+    print(f"\nrefused at config time after {time.perf_counter() - start:.2f} s")
     msg = str(excinfo.value)
-    assert str(n + 1) in msg, msg
+    assert f"invalid ids [{n + 1}]" in msg, msg
     assert re.search(rf"\[\s*0\s*,\s*{n}\s*\]", msg), f"no valid range [0, {n}]: {msg}"
-    assert "eagle_aux_hidden_state_layer_ids" in msg, msg
-    # Raised by the model's own set_aux_hidden_state_layers, from the runner's
-    # load-time EAGLE-3 block, while LLM(...) was being constructed.
+    field = "eagle_aux_hidden_state_layer_ids"
+    assert f"from the draft model config's {field}" in msg, msg
+    assert f"Fix {field} in the draft model's config.json" in msg, msg
     frames = [entry.name for entry in excinfo.traceback]
-    assert "set_aux_hidden_state_layers" in frames, frames
-    assert "enable_aux_like_gpu_runner" in frames, frames
+    assert "create_speculative_config" in frames, frames
 
 
 def test_float16_aux_states_are_the_true_residual_stream(

@@ -33,7 +33,8 @@ def draft_config(tiny_config, tmp_path, monkeypatch):
     # The registry inspects model classes in a `python -m` subprocess, which
     # from the repository root would import the pristine vllm/ tree there.
     monkeypatch.chdir(tmp_path)
-    path = tiny_config("deepseek_v3", "target", num_hidden_layers=4, **MLA)
+    # 8 layers: the default ids (2, 4, 5) of a drafter that names none are valid.
+    path = tiny_config("deepseek_v3", "target", num_hidden_layers=8, **MLA)
     target = ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True)
 
     def build(name: str, method: str | None = "eagle3", **fields) -> SpeculativeConfig:

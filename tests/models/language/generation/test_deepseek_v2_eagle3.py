@@ -293,3 +293,109 @@ def test_capture_traces_under_torch_compile(pp_group):
     same(hidden_states, expected_hidden)
     assert len(aux) == 3
     same(aux[2], pre_norm)
+
+
+# --- float16: the down-scaled residual stream, multiplied back ---
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def test_float16_aux_state_beyond_the_range_saturates_instead_of_inf():
+    """In float16 the stream is kept divided by routed_scaling_factor because
+    its true value can pass 65504; multiplying it back must not recreate the
+    overflow as inf (the drafter's fc would make NaN drafts of it)."""
+    h = torch.tensor([[30000.0, -30000.0, 100.0, 1.0]], dtype=torch.float16)
+    r = torch.tensor([[20000.0, -20000.0, 50.0, 1.0]], dtype=torch.float16)
+    out = deepseek_v2._eagle3_aux_state(h, r, 2.5)
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all(), out
+    # True values: +-125000 (past the range, saturated), 375 and 5 (exact).
+    expected = torch.tensor([[FP16_MAX, -FP16_MAX, 375.0, 5.0]], dtype=torch.float16)
+    same(out, expected)
+
+
+def test_float16_forward_captures_finite_true_scale_states(pp_group):
+    """Through DeepseekV2Model.forward: a float16 stream of ~4e4 (true value
+    ~1e5 after the x2.5) gives finite aux states, and in-range entries are
+    the true stream (2.5 x what the layer saw)."""
+    model = make_model(3).half()
+    model.config = SimpleNamespace(num_hidden_layers=3, routed_scaling_factor=2.5)
+    for layer in model.layers:
+        layer.use_mha = False
+    with torch.no_grad():
+        model.embed_tokens.weight.fill_(1.0)
+        model.embed_tokens.weight[:, 0] = 40000.0  # one feature past 65504 / 2.5
+    model.aux_hidden_state_layers = (1, 2, 3)
+    _, aux = run(model)
+    for layer_id, state in zip((1, 2, 3), aux, strict=True):
+        assert state.dtype == torch.float16
+        assert torch.isfinite(state).all(), (layer_id, state)
+        same(state[:, 0], torch.full_like(state[:, 0], FP16_MAX))
+        seen = model.layers[layer_id].inputs[0] if layer_id < 3 else None
+        if seen is not None:
+            torch.testing.assert_close(state[:, 1:].float(), 2.5 * seen[:, 1:].float(),
+                                       rtol=2e-3, atol=0)
+
+
+# --- mutations the other tests did not catch (docs/loo.md lists them) ---
+
+
+def test_id0_state_is_a_copy_not_the_input_buffer(pp_group):
+    """Id 0 is the embedding before layer 0; the runner passes its
+    persistent inputs_embeds buffer, which the next step overwrites (and a
+    CUDA graph replays into), so the captured state must be a copy."""
+    model = make_model(3)
+    model.aux_hidden_state_layers = (0, 2)
+    buf = torch.randn(5, HIDDEN)
+    want = buf.clone()
+    _, aux = model.forward(None, torch.arange(5), None, inputs_embeds=buf)
+    assert aux[0].data_ptr() != buf.data_ptr()
+    buf.fill_(7.0)  # the next step's inputs
+    same(aux[0], want)
+
+
+def test_aux_layers_cannot_change_after_the_model_compiled(pp_group):
+    """vLLM compiles DeepseekV2Model without guards, so ids set after the
+    first (compiling) forward would be ignored by the graph silently."""
+    lm = make_causal_lm(num_layers=61)
+    lm.set_aux_hidden_state_layers((2, 30, 58))
+    lm.model.compiled = True  # what support_torch_compile sets after tracing
+    lm.set_aux_hidden_state_layers((2, 30, 58))  # unchanged: fine
+    with pytest.raises(RuntimeError, match=r"after DeepseekV2Model was compiled"):
+        lm.set_aux_hidden_state_layers((3, 31, 59))
+    assert lm.model.aux_hidden_state_layers == (2, 30, 58)
+
+
+@pytest.mark.regression
+def test_sequence_parallel_moe_returns_every_token(monkeypatch):
+    """The capture takes the stream between layers as full [num_tokens,
+    hidden] states; v0.16.0's sequence-parallel MoE chunks tokens per TP
+    rank and all-gathers them back inside the block. Pinned here (TP = 2
+    simulated, rank 0) because a sharded MoE output would be captured
+    sharded, as upstream's later change needed an extra gather for."""
+    tokens, tp = 5, 2
+    chunk = -(-tokens // tp)
+
+    def seq_chunk(x):  # rank 0's share, padded as sequence_parallel_chunk does
+        return torch.nn.functional.pad(x, (0, 0, 0, chunk * tp - x.shape[0]))[:chunk]
+
+    gathered = []
+    monkeypatch.setattr(deepseek_v2, "sequence_parallel_chunk", seq_chunk)
+    monkeypatch.setattr(
+        deepseek_v2, "tensor_model_parallel_all_gather",
+        lambda x, dim: gathered.append(x.shape[0]) or torch.cat([x] * tp, dim),
+    )
+    moe = object.__new__(deepseek_v2.DeepseekV2MoE)
+    nn.Module.__init__(moe)
+    moe.is_sequence_parallel, moe.tp_size = True, tp
+    moe.routed_scaling_factor, moe.is_rocm_aiter_moe_enabled = 2.5, False
+    moe.shared_experts = None
+    moe.gate = lambda x: (x[:, :4], None)
+    moe.experts = SimpleNamespace(is_internal_router=False)
+    moe.experts = type("Experts", (), {
+        "is_internal_router": False,
+        "__call__": lambda self, hidden_states, router_logits: (None, hidden_states * 2),
+    })()
+    out = moe.forward(torch.randn(tokens, HIDDEN))
+    assert gathered == [chunk]  # the experts saw rank 0's share only
+    assert out.shape == (tokens, HIDDEN)
