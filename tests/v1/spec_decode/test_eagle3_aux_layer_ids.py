@@ -192,6 +192,7 @@ def test_nested_only_ids_warn_once_with_both_readings_and_the_fix(
     assert "vLLM ids [2, 5, 8] (the outputs of layers [1, 4, 7])" in msg
     # How to decide and how to make it explicit.
     assert "compare the mean acceptance length" in msg
+    assert "tools.eagle3_layers calibrate DRAFTER --target TARGET" in msg
     assert "tools.eagle3_layers convert" in msg
     assert f"top-level {TOP}" in msg
 
