@@ -132,8 +132,41 @@ def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tup
                                  target_model_config=tcfg,
                                  target_parallel_config=ParallelConfig())
     except Exception as e:
-        raise StackError(f"vLLM refuses the drafter config {drafter}: {e}") from None
+        raise StackError(f"vLLM refuses the drafter config {drafter}: {' '.join(str(e).split())}") from None
     return tcfg, spec
+
+
+@contextlib.contextmanager
+def _engine_id_check_reported(drafter: Path, target: Path, trust_remote_code: bool,
+                              refusals: list[str]) -> Iterator[None]:
+    """The series refuses bad aux ids while SpeculativeConfig is built
+    (``_verify_eagle3_draft``). If it refuses this pair, its message goes to
+    ``refusals`` and the check is skipped inside the block, so that ``check``
+    still names every problem of the pair, one line each."""
+    from unittest import mock
+
+    from vllm.config import SpeculativeConfig
+
+    verify = getattr(SpeculativeConfig, "_verify_eagle3_draft", None)
+    if verify is None:  # stock v0.16.0 has no such check
+        yield
+        return
+    try:
+        configs(drafter, target, trust_remote_code)
+    except StackError as e:
+        with mock.patch.object(SpeculativeConfig, "_verify_eagle3_draft", lambda self: None):
+            try:
+                configs(drafter, target, trust_remote_code)
+            except StackError:
+                yield  # refused for another reason: _check reports it as before
+                return
+            msg = str(e).split(": ", 1)[-1]
+            # pydantic wraps the ValueError: keep vLLM's own sentence.
+            msg = msg.split("Value error, ", 1)[-1].split(" [type=", 1)[0]
+            refusals.append(msg)
+            yield
+        return
+    yield
 
 
 def engine_ids(hf: Any, n: int) -> tuple[tuple[int, ...], str]:
@@ -251,11 +284,14 @@ def check(drafter: Path, target: Path, trust_remote_code: bool = False) -> tuple
             raise StackError(f"{d}/config.json does not exist: pass the {what}'s directory")
     # The drafter classes name their weights the same with MLA on or off, and
     # the CPU platform cannot build MLA attention: check with it off.
-    with _env(VLLM_MLA_DISABLE="1"), _one_process_world():
-        return _check(drafter, target, trust_remote_code)
+    refusals: list[str] = []
+    with _env(VLLM_MLA_DISABLE="1"), _one_process_world(), \
+            _engine_id_check_reported(drafter, target, trust_remote_code, refusals):
+        return _check(drafter, target, trust_remote_code, refusals)
 
 
-def _check(drafter: Path, target: Path, trust_remote_code: bool) -> tuple[list[str], int]:
+def _check(drafter: Path, target: Path, trust_remote_code: bool,
+           refusals: list[str]) -> tuple[list[str], int]:
     from vllm.config import (CacheConfig, CompilationConfig, CompilationMode, DeviceConfig,
                              VllmConfig)
     from vllm.model_executor.models import deepseek_eagle3
@@ -272,6 +308,8 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool) -> tuple[list[s
                  "set architectures to LlamaForCausalLMEagle3 (Llama draft layer) or "
                  "Eagle3DeepseekV2ForCausalLM (DeepSeek MLA draft layer)")
         return _finish(rep)
+    for r in refusals:  # the engine's own message names the fix; the lines below say more
+        rep.fail(f"the engine refuses these aux ids at start: {r}", "see the aux id lines below")
     draft = spec.draft_model_config
     hf, text = draft.hf_config, tcfg.hf_text_config
     n, t_hidden, t_vocab = text.num_hidden_layers, tcfg.get_hidden_size(), text.vocab_size
