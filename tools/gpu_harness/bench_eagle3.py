@@ -6,6 +6,7 @@
     python tools/gpu_harness/bench_eagle3.py control --artifacts A --ids 6,3,1 --out DIR
     python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR [--tag T]
     python tools/gpu_harness/bench_eagle3.py speed --artifacts A --out DIR [--repeats 5]
+    python tools/gpu_harness/bench_eagle3.py profile --artifacts A --out DIR [--batch 1]
 
 A random target's next token cannot be predicted, so the target is first
 trained on a language with a skip rule, t[i+1] = f(t[i-1]): the token the
@@ -682,6 +683,72 @@ def speed(out_dir: Path, artifacts: Path, repeats: int, batches, gen_tokens: int
     return res
 
 
+RUNNER_RANGES = "gpu_model_runner: "  # vLLM's record_function ranges in execute_model
+
+
+def step_breakdown(trace: dict) -> dict:
+    """Per vLLM runner range (preprocess, forward = target verify, sample =
+    rejection sampler, draft = drafter passes, bookkeep, ...): CPU wall time,
+    and the CUDA runtime calls inside it, graph replays (cudaGraphLaunch)
+    against eager kernel launches. GPU kernel time is summed apart."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ranges = [e for e in events if str(e.get("name", "")).startswith(RUNNER_RANGES)]
+    out: dict = {}
+    for r in ranges:
+        name = r["name"][len(RUNNER_RANGES):]
+        row = out.setdefault(name, {"count": 0, "cpu_ms": 0.0, "graph_launches": 0, "kernel_launches": 0})
+        row["count"] += 1
+        row["cpu_ms"] += r["dur"] / 1000
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        for e in events:
+            if e.get("tid") == r.get("tid") and e.get("pid") == r.get("pid") and lo <= e["ts"] <= hi:
+                n = str(e.get("name", ""))
+                if n.startswith("cudaGraphLaunch"):
+                    row["graph_launches"] += 1
+                elif n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel")):
+                    row["kernel_launches"] += 1
+    gpu = [e for e in events if e.get("cat") == "kernel"]
+    return {"ranges": out, "gpu_kernel_ms": sum(e["dur"] for e in gpu) / 1000, "gpu_kernels": len(gpu)}
+
+
+def profile(out_dir: Path, artifacts: Path, batch: int, steps: int) -> dict:
+    """One plain and one EAGLE-3 engine (the trained drafter), each profiled
+    with vLLM's torch profiler over ``steps`` decode steps at ``batch``;
+    the worker traces are broken down by step_breakdown()."""
+    import glob
+    import gzip
+
+    h.configure_env()
+    target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
+    prompts = _prompts(batch, seed=1000)
+    from vllm import SamplingParams
+
+    res = {"batch": batch, "steps": steps, "profile": h.profile(),
+           "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    for name, drafter in (("plain", None), ("eagle3", trained)):
+        tdir = out_dir / f"trace_{name}"
+        tdir.mkdir(parents=True, exist_ok=True)
+        llm = _llm(target, drafter, profiler_config={"profiler": "torch", "torch_profiler_dir": str(tdir),
+                                                     "torch_profiler_with_stack": False})
+        try:
+            res.setdefault("engine", {})[name] = h.engine_facts(llm)
+            llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm
+            llm.start_profile()
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True),
+                         use_tqdm=False)
+            llm.stop_profile()
+        finally:
+            h.shutdown(llm)
+        traces = sorted(glob.glob(str(tdir / "**" / "*.json*"), recursive=True))
+        worker = [t for t in traces if "rank" in Path(t).name or "worker" in Path(t).name] or traces
+        opener = gzip.open if worker and worker[0].endswith(".gz") else open
+        with opener(worker[0], "rt") as f:
+            res[name] = {"trace": str(Path(worker[0]).relative_to(out_dir)), **step_breakdown(json.load(f))}
+        print("PROFILE", name, json.dumps(res[name]), flush=True)
+    (out_dir / "profile.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 def cache_check(out_dir: Path, artifacts: Path, tag: str) -> None:
     """Two drafters served in turn against one target with one compile-cache
     directory (VLLM_CACHE_ROOT): the trained drafter (aux ids 1, 3, 6), then
@@ -762,6 +829,12 @@ def main(argv=None):
     sp.add_argument("--batches", type=lambda t: tuple(int(x) for x in t.split(",")), default=PROD_BATCHES)
     sp.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
     sp.add_argument("--profile", choices=h.PROFILES, default="production")
+    pf = sub.add_parser("profile", help="torch-profiler breakdown of plain and EAGLE-3 decode steps")
+    pf.add_argument("--out", type=Path, required=True)
+    pf.add_argument("--artifacts", type=Path, required=True, help="unpacked artifacts.tar.gz of a bench run")
+    pf.add_argument("--batch", type=int, default=1)
+    pf.add_argument("--steps", type=int, default=32)
+    pf.add_argument("--profile", choices=h.PROFILES, default="production")
     o = sub.add_parser("control")
     o.add_argument("--out", type=Path, required=True)
     o.add_argument("--artifacts", type=Path, required=True)
@@ -780,6 +853,9 @@ def main(argv=None):
     elif args.cmd == "control":
         args.out.mkdir(parents=True, exist_ok=True)
         control(args.out, args.artifacts, [int(x) for x in args.ids.split(",")])
+    elif args.cmd == "profile":
+        args.out.mkdir(parents=True, exist_ok=True)
+        profile(args.out, args.artifacts, args.batch, args.steps)
     elif args.cmd == "speed":
         args.out.mkdir(parents=True, exist_ok=True)
         speed(args.out, args.artifacts, args.repeats, args.batches, args.gen_tokens)

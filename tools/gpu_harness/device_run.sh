@@ -24,6 +24,8 @@
 #   server-kimi  the server stage with Kimi-K2.5 and the MLA drafter
 #   speed  bench_eagle3.py speed: plain vs EAGLE-3 decode tok/s, interleaved
 #          repeats (needs bench-prod's artifacts.tar.gz, or SPEED_ARTIFACTS)
+#   profile  bench_eagle3.py profile: torch-profiler breakdown of one plain and
+#          one EAGLE-3 engine's decode steps (needs the same artifacts as speed)
 #   project  project.py run: per-rank DeepSeek-V3 (TP = 8) step times at a
 #          few layer counts, for the 61-layer projection
 #   backends  prod_check.py backends: the target forced to each MLA backend,
@@ -109,6 +111,10 @@ for s in $STAGES; do
       rm -rf /tmp/speed-art && mkdir -p /tmp/speed-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/speed-art \
         && stage speed ${SPEED_LIMIT_S:-400} "$OUT/speed.log" python3 tools/gpu_harness/bench_eagle3.py speed \
              --artifacts /tmp/speed-art --out "$OUT/bench" ${SPEED_ARGS:-} ;;
+    profile)
+      rm -rf /tmp/profile-art && mkdir -p /tmp/profile-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/profile-art \
+        && stage profile ${PROFILE_LIMIT_S:-300} "$OUT/profile.log" python3 tools/gpu_harness/bench_eagle3.py profile \
+             --artifacts /tmp/profile-art --out "$OUT/profile" ${PROFILE_ARGS:-} ;;
     project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
                --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
     backends) stage backends ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py backends --out "$OUT/prod" ;;
@@ -118,6 +124,7 @@ for s in $STAGES; do
 done
 echo "== summary"; cat "$OUT/summary.log"
 for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^MATRIX|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
+[[ -f $OUT/profile.log ]] && { echo "== profile"; grep -E "^PROFILE|Error" "$OUT/profile.log" | cut -c1-1500 | tail -4; }
 [[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
