@@ -663,6 +663,8 @@ def speed(out_dir: Path, artifacts: Path, repeats: int, batches, gen_tokens: int
         for b, r in runs.items():
             ratios = [e["decode_tok_s"] / p["decode_tok_s"] for p, e in zip(r["plain"], r["eagle3"])]
             mal = [e["mean_acceptance_length"] for e in r["eagle3"]]
+            if None in mal:
+                raise RuntimeError(f"batch {b}: an EAGLE-3 run proposed no draft: {r['eagle3']}")
             res["batches"][f"batch{b}"] = {
                 "plain_decode_tok_s": spread([x["decode_tok_s"] for x in r["plain"]]),
                 "eagle3_decode_tok_s": spread([x["decode_tok_s"] for x in r["eagle3"]]),
