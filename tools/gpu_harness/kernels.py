@@ -97,9 +97,13 @@ SUBSET: dict[str, list[str]] = {
 # flash-attention's own switches for what the instantiations above leave out.
 # PackGQA without splits is a speed choice of the heuristic (split kernels
 # always pack), so leaving it out changes which tile runs, never a result.
+# LOCAL is sliding-window attention, which none of these models has; each
+# instantiation then compiles two mask variants (causal, none) instead of
+# three, and a sliding-window call fails by name in flash_api.cpp
+# ("This flash attention build does not support local attention.").
 FA3_DEFS = ["FLASHATTENTION_DISABLE_FP16", "FLASHATTENTION_DISABLE_FP8",
             "FLASHATTENTION_DISABLE_HDIM96", "FLASHATTENTION_DISABLE_HDIM256",
-            "FLASHATTENTION_DISABLE_PACKGQA"]
+            "FLASHATTENTION_DISABLE_PACKGQA", "FLASHATTENTION_DISABLE_LOCAL"]
 BINDINGS = {"_C": "csrc/torch_bindings.cpp", "_moe_C": "csrc/moe/torch_bindings.cpp"}
 LIB_PATHS = {"_C": "vllm", "_moe_C": "vllm", "_vllm_fa3_C": "vllm/vllm_flash_attn"}
 # kernel_selector.h (written by upstream's generate_kernels.py at configure
