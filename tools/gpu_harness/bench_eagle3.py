@@ -685,16 +685,42 @@ def speed(out_dir: Path, artifacts: Path, repeats: int, batches, gen_tokens: int
     return res
 
 
-RUNNER_RANGES = "gpu_model_runner: "  # vLLM's record_function ranges in execute_model
+# vLLM's record_function ranges inside the runner (preprocess, forward =
+# target verify, sample = rejection sampler, draft = drafter passes,
+# bookkeep, ...). vLLM 0.16 opens them only with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1
+# (vllm/v1/utils.py record_function_or_nullcontext); H200 call 27 ran
+# without it and its trace has none.
+RUNNER_RANGES = "gpu_model_runner: "
+# The worker's range around each execute_model call (gpu_worker.py,
+# "execute_context_<n>(<tokens>)_generation_<n>(<tokens>)"). With
+# speculative decoding, sampling and the drafter run in sample_tokens,
+# after it; so a step's period (one execute start to the next) splits into
+# execute (input preparation + target forward) and after-execute (sampler,
+# drafter, scheduler, output handling).
+STEP_RANGE = "execute_context_"
+_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel")
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
 
 
 def step_breakdown(trace: dict) -> dict:
-    """Per vLLM runner range (preprocess, forward = target verify, sample =
-    rejection sampler, draft = drafter passes, bookkeep, ...): CPU wall time,
-    and the CUDA runtime calls inside it, graph replays (cudaGraphLaunch)
-    against eager kernel launches. GPU kernel time is summed apart."""
+    """A worker trace of vLLM's torch profiler, broken down two ways.
+
+    ``ranges``: per runner range (RUNNER_RANGES), the CPU wall time and the
+    CUDA runtime calls inside it, graph replays (cudaGraphLaunch) against
+    eager kernel launches.
+
+    ``steps``: over the decode steps (STEP_RANGE on the CPU; the steps whose
+    execute range is followed by another, the first and last dropped), the
+    median period, execute and after-execute time, GPU kernel time per
+    period, the share of the period the GPU ran kernels, and the graph
+    replays and eager launches per step inside execute and after it."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     ranges = [e for e in events if str(e.get("name", "")).startswith(RUNNER_RANGES)]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
     out: dict = {}
     for r in ranges:
         name = r["name"][len(RUNNER_RANGES):]
@@ -707,10 +733,30 @@ def step_breakdown(trace: dict) -> dict:
                 n = str(e.get("name", ""))
                 if n.startswith("cudaGraphLaunch"):
                     row["graph_launches"] += 1
-                elif n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel")):
+                elif n.startswith(_LAUNCH):
                     row["kernel_launches"] += 1
     gpu = [e for e in events if e.get("cat") == "kernel"]
-    return {"ranges": out, "gpu_kernel_ms": sum(e["dur"] for e in gpu) / 1000, "gpu_kernels": len(gpu)}
+    res = {"ranges": out, "gpu_kernel_ms": sum(e["dur"] for e in gpu) / 1000, "gpu_kernels": len(gpu)}
+
+    steps = sorted((e for e in events if e.get("cat") != "gpu_user_annotation"
+                    and str(e.get("name", "")).startswith(STEP_RANGE)), key=lambda e: e["ts"])
+    rows = []
+    for i in range(1, len(steps) - 1):  # the first period holds the profiler's start
+        a, b = steps[i], steps[i + 1]
+        lo, mid, hi = a["ts"], a["ts"] + a["dur"], b["ts"]
+        row = {"period_ms": (hi - lo) / 1000, "execute_ms": a["dur"] / 1000,
+               "after_execute_ms": (hi - mid) / 1000,
+               "gpu_kernel_ms": sum(e["dur"] for e in gpu if lo <= e["ts"] < hi) / 1000}
+        for part, (x, y) in (("execute", (lo, mid)), ("after_execute", (mid, hi))):
+            calls = [str(e.get("name", "")) for e in runtime if x <= e["ts"] < y]
+            row[f"{part}_graph_launches"] = sum(n.startswith("cudaGraphLaunch") for n in calls)
+            row[f"{part}_kernel_launches"] = sum(n.startswith(_LAUNCH) for n in calls)
+        rows.append(row)
+    if rows:
+        med = {k: _median([r[k] for r in rows]) for k in rows[0]}
+        med["gpu_busy_fraction"] = sum(r["gpu_kernel_ms"] for r in rows) / sum(r["period_ms"] for r in rows)
+        res["steps"] = {"count": len(rows), "median": med}
+    return res
 
 
 def profile(out_dir: Path, artifacts: Path, batch: int, steps: int) -> dict:
@@ -721,6 +767,7 @@ def profile(out_dir: Path, artifacts: Path, batch: int, steps: int) -> dict:
     import gzip
 
     h.configure_env()
+    os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the runner ranges (RUNNER_RANGES)
     target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
     prompts = _prompts(batch, seed=1000)
     from vllm import SamplingParams

@@ -37,3 +37,30 @@ def test_breakdown_matches_the_profilers_own_totals(tmp_path):
         assert got[name]["count"] == e.count
         assert got[name]["cpu_ms"] == pytest.approx(e.cpu_time_total / 1000, rel=0.02)
         assert got[name]["graph_launches"] == got[name]["kernel_launches"] == 0
+
+
+def test_steps_split_each_period_at_the_end_of_execute(tmp_path):
+    """Five worker steps, each an execute range followed by 3 ms of work
+    outside it (as sampling and drafting follow execute_model in vLLM 0.16):
+    the median execute time is the profiler's own, and the after-execute part
+    holds the 3 ms. The first and last periods are dropped."""
+    import time
+
+    x = torch.randn(128, 128)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(5):
+            with record_function(f"{bench_eagle3.STEP_RANGE}0(0)_generation_{i}(1)"):
+                for _ in range(20):
+                    x = (x @ x).tanh()
+            time.sleep(0.003)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    got = bench_eagle3.step_breakdown(json.loads(path.read_text()))["steps"]
+    assert got["count"] == 3
+    med = got["median"]
+    own = [e for e in prof.key_averages() if e.key.startswith(bench_eagle3.STEP_RANGE)]
+    own_ms = sorted(e.cpu_time_total / 1000 for e in own)
+    assert own_ms[0] * 0.9 <= med["execute_ms"] <= own_ms[-1] * 1.1
+    assert 3.0 <= med["after_execute_ms"] < 3.0 + 10
+    assert med["period_ms"] == pytest.approx(med["execute_ms"] + med["after_execute_ms"], rel=0.05)
+    assert med["gpu_kernel_ms"] == 0 and got["median"]["gpu_busy_fraction"] == 0
