@@ -859,6 +859,8 @@ def main(argv=None):
     a.add_argument("--gen-tokens", type=int, default=GEN_TOKENS, help="tokens generated per prompt")
     a.add_argument("--batches", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
                    help="batch sizes to measure, e.g. 1,8 (default: the profile's)")
+    a.add_argument("--speed", action="store_true",
+                   help="then the speed and profile runs on the pair just trained (DeepSeek-V3 target only)")
     c = sub.add_parser("capture")
     for n in ("--target", "--drafter", "--seqs", "--out"):
         c.add_argument(n, required=True)
@@ -895,8 +897,16 @@ def main(argv=None):
     if args.cmd == "all":
         args.out.mkdir(parents=True, exist_ok=True)
         GEN_TOKENS = args.gen_tokens
+        if args.speed and args.kind != "deepseek-v3":
+            ap.error("--speed measures the DeepSeek-V3 target only")
         run_all(args.out, args.work, args.steps, args.target_steps,
                 random_drafter=not args.no_random_drafter, kind=args.kind, batches=args.batches)
+        if args.speed:  # one command for the whole measurement on a GPU machine
+            if not (args.work / "drafter_trained").is_dir():
+                ap.error(f"--speed: no trained drafter in {args.work}; see {args.out}/bench_eagle3.json")
+            speed(args.out, args.work, 5, PROD_BATCHES, GEN_TOKENS)
+            (args.out / "profile").mkdir(exist_ok=True)
+            profile(args.out / "profile", args.work, 1, 32)
     elif args.cmd == "train-target":
         args.out.write_text(json.dumps(train_target(args.target, args.steps)))
     elif args.cmd == "control":

@@ -64,3 +64,13 @@ def test_steps_split_each_period_at_the_end_of_execute(tmp_path):
     assert 3.0 <= med["after_execute_ms"] < 3.0 + 10
     assert med["period_ms"] == pytest.approx(med["execute_ms"] + med["after_execute_ms"], rel=0.05)
     assert med["gpu_kernel_ms"] == 0 and got["median"]["gpu_busy_fraction"] == 0
+
+
+def test_all_with_speed_refuses_a_target_speed_does_not_measure(tmp_path):
+    """``all --speed`` is refused before any training when the target is one
+    that ``speed`` cannot load (it reads the DeepSeek-V3 pair)."""
+    with pytest.raises(SystemExit) as e:
+        bench_eagle3.main(["all", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"),
+                           "--speed", "--kind", next(iter(bench_eagle3.DSA_KINDS))])
+    assert e.value.code == 2
+    assert not (tmp_path / "w").exists()
