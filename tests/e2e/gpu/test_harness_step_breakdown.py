@@ -61,8 +61,11 @@ def test_steps_split_each_period_at_the_end_of_execute(tmp_path):
     own = [e for e in prof.key_averages() if e.key.startswith(bench_eagle3.STEP_RANGE)]
     own_ms = sorted(e.cpu_time_total / 1000 for e in own)
     assert own_ms[0] * 0.9 <= med["execute_ms"] <= own_ms[-1] * 1.1
-    assert 3.0 <= med["after_execute_ms"] < 3.0 + 10
-    assert med["period_ms"] == pytest.approx(med["execute_ms"] + med["after_execute_ms"], rel=0.05)
+    # The 3 ms sleep, plus what little the loop does outside the range (a
+    # loaded 2-core CI machine stretches it; medians of the parts need not
+    # add up to the median period, so each is bounded on its own).
+    assert 3.0 <= med["after_execute_ms"] < 3.0 + 50
+    assert own_ms[0] * 0.9 + 3.0 <= med["period_ms"] <= own_ms[-1] * 1.1 + 3.0 + 50
     assert med["gpu_kernel_ms"] == 0 and got["median"]["gpu_busy_fraction"] == 0
 
 
