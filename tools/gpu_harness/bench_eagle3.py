@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -612,8 +613,6 @@ def _print_table(results, batches):
 def spread(values: list[float]) -> dict:
     """Median and range of repeated measurements (the median, not the mean:
     one slow repeat on a shared machine must not move the figure)."""
-    import statistics
-
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
@@ -701,11 +700,6 @@ STEP_RANGE = "execute_context_"
 _LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel")
 
 
-def _median(xs):
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
-
-
 def step_breakdown(trace: dict) -> dict:
     """A worker trace of vLLM's torch profiler, broken down two ways.
 
@@ -753,7 +747,7 @@ def step_breakdown(trace: dict) -> dict:
             row[f"{part}_kernel_launches"] = sum(n.startswith(_LAUNCH) for n in calls)
         rows.append(row)
     if rows:
-        med = {k: _median([r[k] for r in rows]) for k in rows[0]}
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         med["gpu_busy_fraction"] = sum(r["gpu_kernel_ms"] for r in rows) / sum(r["period_ms"] for r in rows)
         res["steps"] = {"count": len(rows), "median": med}
     return res
