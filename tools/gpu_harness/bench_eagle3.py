@@ -893,6 +893,9 @@ def main(argv=None):
         GEN_TOKENS = args.gen_tokens
         if args.speed and args.kind != "deepseek-v3":
             ap.error("--speed measures the DeepSeek-V3 target only")
+        if args.speed and h.profile() != "production":
+            ap.error(f"--speed measures production settings, not the {h.profile()} profile: "
+                     "add --profile production")
         run_all(args.out, args.work, args.steps, args.target_steps,
                 random_drafter=not args.no_random_drafter, kind=args.kind, batches=args.batches)
         if args.speed:  # one command for the whole measurement on a GPU machine

@@ -69,11 +69,16 @@ def test_steps_split_each_period_at_the_end_of_execute(tmp_path):
     assert med["gpu_kernel_ms"] == 0 and got["median"]["gpu_busy_fraction"] == 0
 
 
-def test_all_with_speed_refuses_a_target_speed_does_not_measure(tmp_path):
-    """``all --speed`` is refused before any training when the target is one
-    that ``speed`` cannot load (it reads the DeepSeek-V3 pair)."""
+@pytest.mark.parametrize("extra", [
+    ["--profile", "production", "--kind", next(iter(bench_eagle3.DSA_KINDS))],  # speed reads the DeepSeek-V3 pair
+    ["--profile", "smoke"],  # speed is a production measurement
+])
+def test_all_with_speed_refuses_what_speed_does_not_measure(tmp_path, monkeypatch, extra):
+    """``all --speed`` is refused before any training for a target ``speed``
+    cannot load, or settings other than production."""
+    monkeypatch.delenv("EAGLE3_GPU_PROFILE", raising=False)
     with pytest.raises(SystemExit) as e:
         bench_eagle3.main(["all", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"),
-                           "--speed", "--kind", next(iter(bench_eagle3.DSA_KINDS))])
+                           "--speed", *extra])
     assert e.value.code == 2
     assert not (tmp_path / "w").exists()
