@@ -118,12 +118,14 @@ def _configure(src: Path, build: Path, keep_c: str):
     swap = src / "torch_bindings_subset.cpp"
     swap.write_text("int subset() { return 0; }\n")
     (build.parent / "placeholder.cpp").write_text("\n")
+    (build.parent / "stub.cpp").write_text("\n")
     return subprocess.run(
         ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
          f"-DCMAKE_PROJECT_INCLUDE={kernels.HOOK}", "-DEAGLE3_KERNEL_TARGETS=_C;_vllm_fa3_C",
          f"-DEAGLE3_KERNEL_SRCS__C={keep_c};torch_bindings.cpp", "-DEAGLE3_KERNEL_SRCS__vllm_fa3_C=d.cpp",
          f"-DEAGLE3_KERNEL_SWAP__C=torch_bindings.cpp={swap}",
          "-DEAGLE3_KERNEL_DEFS__vllm_fa3_C=FLASHATTENTION_DISABLE_FP8",
+         f"-DEAGLE3_KERNEL_EXTRA__vllm_fa3_C={build.parent / 'stub.cpp'}",
          f"-DEAGLE3_KERNEL_PLACEHOLDER={build.parent / 'placeholder.cpp'}"],
         capture_output=True, text=True)
 
@@ -137,10 +139,12 @@ def test_cmake_hook_trims_targets_as_vllm_defines_them(tmp_path: Path):
     cmds = json.loads((tmp_path / "build" / "compile_commands.json").read_text())
     by_file = {Path(c["file"]).name: c["command"] for c in cmds}
     # _C: the kept source and the generated bindings, not b.cpp or upstream's bindings.
-    assert {"a.cpp", "torch_bindings_subset.cpp", "d.cpp", "placeholder.cpp"} == set(by_file)
+    assert {"a.cpp", "torch_bindings_subset.cpp", "d.cpp", "stub.cpp", "placeholder.cpp"} == set(by_file)
     assert "-DKEEP=1" in by_file["a.cpp"] and "-DTAIL=2" in by_file["a.cpp"]
     assert "ENABLE_SCALED_MM_SM90" not in by_file["a.cpp"]
     assert "-DFLASHATTENTION_DISABLE_FP8" in by_file["d.cpp"]
+    # The generated source joins its target with the target's switches.
+    assert "-DFLASHATTENTION_DISABLE_FP8" in by_file["stub.cpp"]
 
 
 def test_cmake_hook_refuses_a_source_the_cmake_does_not_list(tmp_path: Path):
@@ -148,3 +152,64 @@ def test_cmake_hook_refuses_a_source_the_cmake_does_not_list(tmp_path: Path):
     r = _configure(src, tmp_path / "build", "gone.cpp")
     assert r.returncode != 0
     assert "_C has no source ending in gone.cpp" in r.stdout + r.stderr
+
+
+# Two of flash-attention 188be16's instantiation files, verbatim
+# (hopper/instantiations/, written by its generate_kernels.py).
+_FA_FILES = {
+    "hopper/instantiations/flash_fwd_hdim64_256_bf16_sm90.cu": """\
+// Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao.
+// Splitting the different template instantiations to different files to speed up compilation.
+// This file is auto-generated. See "generate_kernels.py"
+
+#include "flash_fwd_launch_template.h"
+
+#ifndef FLASHATTENTION_DISABLE_HDIM64
+template void run_mha_fwd_<90, cutlass::bfloat16_t, 64, 256, false, false, false, false>(Flash_fwd_params &params, cudaStream_t stream);
+#endif
+""",
+    "hopper/instantiations/flash_fwd_hdim192_bf16_paged_split_sm90.cu": """\
+// Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao.
+// Splitting the different template instantiations to different files to speed up compilation.
+// This file is auto-generated. See "generate_kernels.py"
+
+#include "flash_fwd_launch_template.h"
+
+#ifndef FLASHATTENTION_DISABLE_HDIM192
+template void run_mha_fwd_<90, cutlass::bfloat16_t, 192, 192, true, true, false, true>(Flash_fwd_params &params, cudaStream_t stream);
+#endif
+""",
+}
+
+
+def test_fa3_stub_specialises_exactly_what_the_left_out_files_instantiate():
+    out = kernels.fa3_stub_source(_FA_FILES)
+    specs = re.findall(r"template <> void (run_mha_fwd_<[^>]*>)\(Flash_fwd_params &params, cudaStream_t stream\)", out)
+    assert specs == ["run_mha_fwd_<90, cutlass::bfloat16_t, 64, 256, false, false, false, false>",
+                     "run_mha_fwd_<90, cutlass::bfloat16_t, 192, 192, true, true, false, true>"]
+    # Each under its file's own switch, and each raising with the shape and the fix.
+    assert out.count("#ifndef FLASHATTENTION_DISABLE_HDIM64") == 1 == out.count("#ifndef FLASHATTENTION_DISABLE_HDIM192")
+    assert ("head dim 192 / value dim 192 (cutlass::bfloat16_t, split=true, paged=true" in out
+            and "add flash_fwd_hdim192_bf16_paged_split_sm90.cu to SUBSET" in out)
+    assert '#include "flash.h"' in out
+
+
+def test_fa3_stub_refuses_a_file_it_cannot_read():
+    text = _FA_FILES["hopper/instantiations/flash_fwd_hdim64_256_bf16_sm90.cu"]
+    with pytest.raises(kernels.StackError, match="found 2"):
+        kernels.fa3_stub_source({"x.cu": text + text.split("\n\n", 2)[2]})
+    with pytest.raises(kernels.StackError, match="found 0"):
+        kernels.fa3_stub_source({"x.cu": "#include <x>\n"})
+
+
+def test_fa3_built_and_stubbed_files_are_disjoint_and_cover_the_dispatch():
+    built = {f for f in kernels.SUBSET["_vllm_fa3_C"] if "/instantiations/" in f}
+    stubbed = set(kernels.FA3_NOT_BUILT)
+    assert not built & stubbed
+    # flash_api.cpp's bf16 dispatch under the kept switches (HDIM64, 128, 192;
+    # no softcap, fp16, fp8, 96, 256): 64, 64_256, 64_512, 128, 192, 192_128,
+    # each plain, paged, split and paged-split.
+    names = {re.search(r"hdim(\w+?)_bf16", f).group(1) for f in built | stubbed}
+    assert names == {"64", "64_256", "64_512", "128", "192", "192_128"}
+    assert len(built | stubbed) == 24
+    assert set(kernels.BUILD_ORDER) == set(kernels.SUBSET)

@@ -11,6 +11,7 @@
 #   EAGLE3_KERNEL_SRCS_<target>  path suffixes of the sources to keep
 #   EAGLE3_KERNEL_SWAP_<target>  "original-suffix=replacement-path" (bindings)
 #   EAGLE3_KERNEL_DEFS_<target>  compile definitions to add (FA3's own switches)
+#   EAGLE3_KERNEL_EXTRA_<target> generated sources to add (kernels.py's FA3_STUB)
 #   EAGLE3_KERNEL_PLACEHOLDER    an empty C++ file for targets that are not built
 include_guard(GLOBAL)
 
@@ -45,6 +46,7 @@ function(_eagle3_trim_target tgt)
     endforeach()
     list(APPEND kept "${found}")
   endforeach()
+  list(APPEND kept ${EAGLE3_KERNEL_EXTRA_${tgt}})
   set_property(TARGET ${tgt} PROPERTY SOURCES "${kept}")
   # vLLM sets ENABLE_<kernel family> for the whole target when it adds a
   # family's sources; the entry files (scaled_mm_entry.cu and siblings) then
