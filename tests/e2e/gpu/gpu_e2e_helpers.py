@@ -228,7 +228,7 @@ SPEC_METRICS = {
 
 
 OP_MODULES = ("vllm._C", "vllm._moe_C", "vllm.vllm_flash_attn._vllm_fa2_C",
-              "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C")
+              "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C", "deep_gemm")
 
 
 def _worker_facts(worker) -> dict[str, Any]:
@@ -247,8 +247,11 @@ def _worker_facts(worker) -> dict[str, Any]:
     providers = {}
     for mod in OP_MODULES:
         try:
-            f = importlib.import_module(mod).__file__ or ""
-            providers[mod] = ("stand-in " if f.endswith(".py") else "built ") + f
+            m = importlib.import_module(mod)
+            f = getattr(m, "__file__", None)
+            # A compiled library is built; a .py file or a module object made
+            # at run time (dsa_ops.install()) is a stand-in.
+            providers[mod] = f"built {f}" if f and not f.endswith(".py") else f"stand-in {f or m.__doc__}"
         except ImportError as e:
             providers[mod] = f"absent ({e})"
     disp = getattr(drafter, "cudagraph_dispatcher", None)
