@@ -86,12 +86,15 @@ SUBSET: dict[str, list[str]] = {
         "hopper/flash_api.cpp", "hopper/flash_api_torch_lib.cpp",  # the ops and PyInit__vllm_fa3_C
         "hopper/flash_fwd_combine.cu", "hopper/flash_prepare_scheduler.cu",
         # 64_512: FLASH_ATTN_MLA decode and verify (q_v); 192_128: MLA prefill;
-        # 128 and 64: Llama drafters' heads (64: the tiny test drafters). Each
-        # paged or not, split or not: FLASH_ATTN_MLA passes num_splits > 1 when
-        # it captures full CUDA graphs (H200 call 19: "This flash attention
-        # build does not support splits" without the split files).
+        # 192: a DeepSeek target with MLA off (VLLM_MLA_DISABLE=1) on
+        # FLASH_ATTN, whose value heads vLLM pads to 192 (H200 call 32 reached
+        # it, split and paged, when MLA was off); 128 and 64: Llama drafters'
+        # heads (64: the tiny test drafters). Each paged or not, split or not:
+        # FLASH_ATTN_MLA passes num_splits > 1 when it captures full CUDA graphs
+        # (H200 call 19: "This flash attention build does not support splits"
+        # without the split files).
         *(f"hopper/instantiations/flash_fwd_hdim{h}_bf16{v}_sm90.cu"
-          for h in ("64", "64_512", "128", "192_128") for v in FA3_VARIANTS),
+          for h in ("64", "64_512", "128", "192", "192_128") for v in FA3_VARIANTS),
     ],
 }
 # flash-attention's own switches for what the instantiations above leave out.
@@ -105,17 +108,19 @@ FA3_DEFS = ["FLASHATTENTION_DISABLE_FP16", "FLASHATTENTION_DISABLE_FP8",
             "FLASHATTENTION_DISABLE_HDIM96", "FLASHATTENTION_DISABLE_HDIM256",
             "FLASHATTENTION_DISABLE_PACKGQA", "FLASHATTENTION_DISABLE_LOCAL"]
 # flash_api.cpp's dispatch also names, under the same switches, the HDIM64
-# instantiations for a value dim of 65-256 (64_256) and the HDIM192 ones for a
-# value dim above 128 (192): no model or drafter here has those shapes, and
-# their 8 files took 1,069 of the 5,024 CPU-s of H200 call 23. Each such
-# specialisation is instead defined in one generated file that raises, by
-# shape, when called; the declarations are read from upstream's own
-# instantiation files, so they are exactly the symbols those files define.
-FA3_NOT_BUILT = [f"hopper/instantiations/flash_fwd_hdim{h}_bf16{v}_sm90.cu"
-                 for h in ("64_256", "192") for v in FA3_VARIANTS]
+# instantiations for a value dim of 65-256 (64_256): no model or drafter here
+# has that shape (MLA's is 512, a Llama head's equals its head dim), and the 4
+# files took 548 of the 5,024 CPU-s of H200 call 23. Each such specialisation
+# is instead defined in one generated file that raises, by shape, when called;
+# the declarations are read from upstream's own instantiation files, so they
+# are exactly the symbols those files define. (Call 32 stubbed the 192 files
+# too, and its MLA-off target stopped there with that error, by name.)
+FA3_NOT_BUILT = [f"hopper/instantiations/flash_fwd_hdim64_256_bf16{v}_sm90.cu" for v in FA3_VARIANTS]
 FA3_STUB = "hopper/eagle3_fa3_not_built.cpp"
-# Marlin MoE is the longest single compile (259 s in call 23): asked for
-# first, it starts at once instead of ending last.
+# Marlin MoE is the longest single compile (259 s in call 23). Asking for its
+# target first did not make ninja 1.13 start it first (call 31: the _C
+# objects finished first, Marlin took 275 s and the compile 357 s), but the
+# order costs nothing.
 BUILD_ORDER = ("_moe_C", "_vllm_fa3_C", "_C")
 BINDINGS = {"_C": "csrc/torch_bindings.cpp", "_moe_C": "csrc/moe/torch_bindings.cpp"}
 LIB_PATHS = {"_C": "vllm", "_moe_C": "vllm", "_vllm_fa3_C": "vllm/vllm_flash_attn"}

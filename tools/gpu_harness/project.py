@@ -123,12 +123,14 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
     sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
     import gpu_e2e_helpers as h
 
-    h.configure_env()
     # Production settings whatever EAGLE3_GPU_PROFILE says: bf16, MLA, vLLM's
     # default compilation and CUDA graphs, no backend forced. H200 call 30 ran
     # under the harness default (the float32 smoke profile: eager,
-    # TRITON_ATTN), which is not what these step times are meant to show.
+    # TRITON_ATTN), which is not what these step times are meant to show. Set
+    # before configure_env(), which turns MLA off for the smoke profile (the
+    # seventh session's first projection call ran with MLA off for that reason).
     os.environ["EAGLE3_GPU_PROFILE"] = "production"
+    h.configure_env()
     tname, dname = MODELS[model]
     target = json.loads((PUBLISHED / tname / "config.json").read_text())
     drafter = json.loads((PUBLISHED / dname / "config.json").read_text())
@@ -160,6 +162,10 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
                                         compilation_config={"cudagraph_capture_sizes": capture}))
             try:
                 facts = h.engine_facts(llm)
+                target_backends = facts.get("attention_backends", {}).get("target", [])
+                if not any("MLA" in b for b in target_backends):
+                    raise RuntimeError(f"the target runs {target_backends}, not an MLA backend: these step "
+                                       "times would not be DeepSeek-V3's (is VLLM_MLA_DISABLE set?)")
                 for b in batches:
                     prompts = [{"prompt_token_ids": [7 + i] * 16} for i in range(b)]
                     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

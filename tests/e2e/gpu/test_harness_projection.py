@@ -7,6 +7,7 @@ on a GPU (docs/gpu.md)."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -60,3 +61,25 @@ def test_fit_and_projection_against_numpy():
     assert out["projected_speedup"]["3.0"] == pytest.approx(3.0 * ratio)
     with pytest.raises(ValueError, match="fewer than three"):
         project.fit_line([4, 6], [1.0, 2.0])
+
+
+def test_run_turns_mla_on_before_the_engines_start(monkeypatch, tmp_path):
+    # The smoke profile (the harness default) sets VLLM_MLA_DISABLE=1 in
+    # configure_env(); run() must choose production first, or every timed
+    # target runs FLASH_ATTN instead of MLA (H200, seventh session).
+    import gpu_e2e_helpers as h
+
+    monkeypatch.setenv("EAGLE3_GPU_PROFILE", "smoke")
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    seen = {}
+
+    def stop_after_configure():
+        h.configure_env.__wrapped__()
+        seen.update(profile=os.environ["EAGLE3_GPU_PROFILE"], mla_disable=os.environ.get("VLLM_MLA_DISABLE"))
+        raise RuntimeError("stop before vLLM")
+
+    stop_after_configure.__wrapped__ = h.configure_env
+    monkeypatch.setattr(h, "configure_env", stop_after_configure)
+    with pytest.raises(RuntimeError, match="stop before vLLM"):
+        project.run("deepseek-v3", [4, 6, 8], tmp_path)
+    assert seen == {"profile": "production", "mla_disable": None}
