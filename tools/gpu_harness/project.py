@@ -105,11 +105,33 @@ def fit_line(xs: list[float], ys: list[float]) -> dict:
     return {"a_ms": a, "b_ms_per_layer": b, "max_relative_residual": resid}
 
 
+# A line must pass within this share of every measured step time, and rise
+# with the layer count, before it is carried out to 61 layers.
+LINEAR_TOLERANCE = 0.05
+
+
+def not_linear(fit: dict) -> str | None:
+    """Why the points do not support extrapolating ``fit`` (None: they do)."""
+    if fit["b_ms_per_layer"] <= 0:
+        return (f"the step time does not grow with the layer count (slope {fit['b_ms_per_layer']:.3f} "
+                "ms per layer): the per-layer cost is below the step's fixed cost and its noise")
+    if fit["max_relative_residual"] > LINEAR_TOLERANCE:
+        return (f"a line misses a measured step by {100 * fit['max_relative_residual']:.0f} % "
+                f"(more than {100 * LINEAR_TOLERANCE:.0f} %)")
+    return None
+
+
 def project(points: dict[str, dict[int, float]], layers: int = FULL_LAYERS,
             acceptance=ACCEPTANCE_LENGTHS) -> dict:
     """points: {"plain"|"eagle3": {layers: step ms}} -> fits, projected step
-    times and speed-ups (acceptance length x plain step / EAGLE-3 step)."""
+    times and speed-ups (acceptance length x plain step / EAGLE-3 step), or,
+    when a fit is not a line (not_linear), the fits and why nothing is
+    projected."""
     fits = {n: fit_line(sorted(p), [p[k] for k in sorted(p)]) for n, p in points.items()}
+    refused = {n: why for n, f in fits.items() if (why := not_linear(f))}
+    if refused:
+        return {"fits": fits, "projected_layers": layers, "not_projected": refused,
+                "label": "no projection: the measured step times are not linear in layers"}
     at = {n: f["a_ms"] + f["b_ms_per_layer"] * layers for n, f in fits.items()}
     return {"fits": fits, "projected_layers": layers, "projected_step_ms": at,
             "projected_speedup": {str(al): al * at["plain"] / at["eagle3"] for al in acceptance},

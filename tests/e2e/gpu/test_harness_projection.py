@@ -63,6 +63,19 @@ def test_fit_and_projection_against_numpy():
         project.fit_line([4, 6], [1.0, 2.0])
 
 
+def test_no_projection_from_points_that_are_not_a_line():
+    # H200 call 34 (per-rank DeepSeek-V3, batch 1): the plain step did not
+    # grow from 4 to 8 layers, and EAGLE-3's scattered by 30 %.
+    pts = {"plain": {4: 1.484, 6: 2.232, 8: 1.455}, "eagle3": {4: 11.05, 6: 6.389, 8: 7.558}}
+    out = project.project(pts)
+    assert "projected_speedup" not in out and "projected_step_ms" not in out
+    assert "does not grow" in out["not_projected"]["plain"]
+    assert "does not grow" in out["not_projected"]["eagle3"]
+    # Rising but scattered: refused for the scatter, by how much.
+    out = project.project({"plain": {4: 2.0, 6: 3.5, 8: 3.6}, "eagle3": {4: 7.0, 6: 8.9, 8: 11.1}})
+    assert "misses a measured step by" in out["not_projected"]["plain"] and "eagle3" not in out["not_projected"]
+
+
 def test_run_turns_mla_on_before_the_engines_start(monkeypatch, tmp_path):
     # The smoke profile (the harness default) sets VLLM_MLA_DISABLE=1 in
     # configure_env(); run() must choose production first, or every timed
