@@ -14,9 +14,10 @@ and the drafter likewise from a published SpecForge drafter config
 serves them with random weights (``load_format="dummy"``: step time does not
 depend on the values) at a few layer counts, times plain decode steps and
 EAGLE-3 steps (k = 3: one verify of k + 1 tokens and k drafter passes), and
-``fit`` fits T(L) = a + b * L to each, reports how well a line fits, and
-projects the 61-layer step times and the speed-up at the acceptance lengths
-published for these drafters.
+``fit`` fits T(L) = a + b * L to each, reports how well a line fits, and,
+only where every line rises and passes within 5 % of each point, projects the
+61-layer step times and the speed-up at the acceptance lengths published for
+these drafters (H200 call 34's whole-step times did not: flat plain steps).
 
 Every projected figure is a projection. It leaves out the all-reduce between
 the 8 ranks (two per layer, after attention and after the MoE), which the
