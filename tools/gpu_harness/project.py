@@ -83,6 +83,11 @@ def drafter_geometry(drafter: dict, target: dict, aux_ids: list[int]) -> dict:
     offsets would draft ids outside the vocabulary, and the larger head
     overstates the drafter's cost, never understates it."""
     cfg = dict(drafter)
+    # A Llama config without head_dim means hidden / heads: keep the published
+    # head size while the heads are split (H200 call 34 ran 7 heads of 1024,
+    # which FlashAttention refuses, so the drafter went to TRITON_ATTN).
+    cfg.setdefault("head_dim", None)
+    cfg["head_dim"] = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
     cfg.update(vocab_size=target["vocab_size"], draft_vocab_size=target["vocab_size"],
                num_attention_heads=_shard(cfg["num_attention_heads"], "drafter num_attention_heads"),
                num_key_value_heads=max(1, cfg["num_key_value_heads"] // TP),

@@ -40,7 +40,13 @@ def test_drafter_rank_geometry():
     t = project.geometry(_cfg("deepseek-r1-0528-target-ttmetal"), 6)
     d = project.drafter_geometry(_cfg("specforge-deepseek-v3-671b-eagle3"), t, [1, 3, 5])
     assert (d["num_attention_heads"], d["num_key_value_heads"], d["intermediate_size"]) == (56 // 8, 1, 40960 // 8)
-    assert d["hidden_size"] // 56 == 128  # head dim unchanged: FA3's hdim128
+    # The head dim as transformers (and so vLLM's Llama drafter) reads the
+    # config: unchanged at 128 (FA3's hdim128). Without an explicit head_dim
+    # it would be 7168 / 7 = 1024, which FlashAttention refuses (H200 call 34's
+    # drafter fell back to TRITON_ATTN for that reason).
+    from transformers import LlamaConfig
+
+    assert LlamaConfig(**d).head_dim == 128
     assert d["vocab_size"] == d["draft_vocab_size"] == t["vocab_size"] and "eagle_config" not in d
     assert d["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
 
