@@ -18,6 +18,10 @@ EAGLE-3 steps (k = 3: one verify of k + 1 tokens and k drafter passes), and
 only where every line rises and passes within 5 % of each point, projects the
 61-layer step times and the speed-up at the acceptance lengths published for
 these drafters (H200 call 34's whole-step times did not: flat plain steps).
+``run`` also profiles a short window of each engine and batch (vLLM's torch
+profiler), and ``project_gpu`` fits the per-step GPU kernel time, which grows
+with the layers even where the wall step does not, to bound the 61-layer step
+(see its docstring).
 
 Every projected figure is a projection. It leaves out the all-reduce between
 the 8 ranks (two per layer, after attention and after the MoE), which the
@@ -144,8 +148,60 @@ def project(points: dict[str, dict[int, float]], layers: int = FULL_LAYERS,
             "label": "projection: per-rank compute only, no all-reduce (see project.py)"}
 
 
+def project_gpu(wall: dict[str, dict[int, float]], gpu: dict[str, dict[int, float]],
+                layers: int = FULL_LAYERS, acceptance=ACCEPTANCE_LENGTHS) -> dict:
+    """When whole-step wall times are flat in the layer count (the GPU idles
+    behind a fixed CPU cost), fit the per-step GPU kernel time (the profiler's,
+    summed over each step) instead, and bound the 61-layer step between two
+    assumptions about the CPU cost W (the mean measured wall step) and the
+    GPU time G(61):
+
+    * overlapped: the CPU work hides behind the GPU or the reverse, max(W, G(61));
+    * serial: the GPU time added over the measured layers adds to the step,
+      W + G(61) - mean measured G.
+
+    The speed-up is acceptance length x plain step / EAGLE-3 step under the
+    same assumption for both."""
+    fits = {n: fit_line(sorted(p), [p[k] for k in sorted(p)]) for n, p in gpu.items()}
+    refused = {n: why for n, f in fits.items() if (why := not_linear(f))}
+    label = ("projection from per-step GPU kernel time: per-rank compute only, no all-reduce, CPU cost "
+             "held at its measured value (see project.py)")
+    if refused:
+        return {"gpu_fits": fits, "not_projected": refused, "label": label}
+    g61 = {n: f["a_ms"] + f["b_ms_per_layer"] * layers for n, f in fits.items()}
+    w = {n: sum(p.values()) / len(p) for n, p in wall.items()}
+    g = {n: sum(p.values()) / len(p) for n, p in gpu.items()}
+    step = {"overlapped": {n: max(w[n], g61[n]) for n in gpu},
+            "serial": {n: w[n] + g61[n] - g[n] for n in gpu}}
+    return {"gpu_fits": fits, "projected_layers": layers, "gpu_ms_at_projected_layers": g61,
+            "mean_wall_step_ms": w, "projected_step_ms": step,
+            "projected_speedup": {how: {str(al): al * st["plain"] / st["eagle3"] for al in acceptance}
+                                  for how, st in step.items()},
+            "label": label}
+
+
+def _gpu_step_ms(trace_dir: Path, before: set[str]) -> tuple[float, str]:
+    """Median GPU kernel time per decode step of the worker trace written
+    since ``before`` (bench_eagle3.step_breakdown)."""
+    import glob
+    import gzip
+
+    from bench_eagle3 import step_breakdown
+
+    new = sorted(set(glob.glob(str(trace_dir / "**" / "*.json*"), recursive=True)) - before)
+    worker = [t for t in new if "rank" in Path(t).name or "worker" in Path(t).name] or new
+    if not worker:
+        raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
+    opener = gzip.open if worker[0].endswith(".gz") else open
+    with opener(worker[0], "rt") as f:
+        steps = step_breakdown(json.load(f)).get("steps")
+    if not steps:
+        raise RuntimeError(f"{worker[0]}: no decode steps (is VLLM_CUSTOM_SCOPES_FOR_PROFILING=1?)")
+    return steps["median"]["gpu_kernel_ms"], worker[0]
+
+
 def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_tokens: int = 64,
-        mem_util: float = 0.8) -> dict:
+        mem_util: float = 0.8, prof_tokens: int = 16) -> dict:
     import tempfile
 
     sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
@@ -159,6 +215,7 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
     # seventh session's first projection call ran with MLA off for that reason).
     os.environ["EAGLE3_GPU_PROFILE"] = "production"
     h.configure_env()
+    os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the step ranges step_breakdown splits at
     tname, dname = MODELS[model]
     target = json.loads((PUBLISHED / tname / "config.json").read_text())
     drafter = json.loads((PUBLISHED / dname / "config.json").read_text())
@@ -185,9 +242,13 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
             # One engine at a time: the harness's default share (sized for a few
             # tiny engines side by side) leaves no KV cache at this geometry
             # (H200 call 29: "No available memory for the cache blocks").
+            traces = work / f"trace_{name}{L}"
+            traces.mkdir()
             llm = LLM(**h.engine_kwargs(tdir, dr, load_format="dummy", max_num_seqs=max(batches),
                                         skip_tokenizer_init=True, gpu_memory_utilization=mem_util,
-                                        compilation_config={"cudagraph_capture_sizes": capture}))
+                                        compilation_config={"cudagraph_capture_sizes": capture},
+                                        profiler_config={"profiler": "torch", "torch_profiler_dir": str(traces),
+                                                         "torch_profiler_with_stack": False}))
             try:
                 facts = h.engine_facts(llm)
                 target_backends = facts.get("attention_backends", {}).get("target", [])
@@ -205,14 +266,36 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
                     # Steps per request: one per token plain; one per draft with EAGLE-3.
                     steps = gen_tokens if dr is None else d["num_drafts"] / b
                     res["step_ms"].setdefault(f"batch{b}", {}).setdefault(name, {})[L] = 1000 * dt / steps
+                    # Then a short profiled window, apart from the timed run
+                    # (the profiler slows the CPU side it measures).
+                    import glob
+
+                    before = set(glob.glob(str(traces / "**" / "*.json*"), recursive=True))
+                    llm.start_profile()
+                    llm.generate(prompts, SamplingParams(max_tokens=prof_tokens, ignore_eos=True), use_tqdm=False)
+                    llm.stop_profile()
+                    gpu_ms, _ = _gpu_step_ms(traces, before)
+                    res.setdefault("gpu_step_ms", {}).setdefault(f"batch{b}", {}).setdefault(name, {})[L] = gpu_ms
                 res.setdefault("engine", {})[f"{name}_{L}"] = facts
             finally:
                 h.shutdown(llm)
             print("STEP", model, L, name, json.dumps({b: v[name].get(L) for b, v in res["step_ms"].items()}),
                   flush=True)
-    res["projection"] = {b: project(v) for b, v in res["step_ms"].items()}
+    _project_all(res)
     (out / f"project_{model}.json").write_text(json.dumps(res, indent=1))
     return res
+
+
+def _project_all(res: dict) -> None:
+    """The wall-time projection, and where the result has per-step GPU time
+    (runs since call 34), the GPU-time one."""
+    def ints(pts):
+        return {n: {int(k): v for k, v in p.items()} for n, p in pts.items()}
+
+    res["projection"] = {b: project(ints(v)) for b, v in res["step_ms"].items()}
+    if "gpu_step_ms" in res:
+        res["projection_gpu_time"] = {b: project_gpu(ints(res["step_ms"][b]), ints(v))
+                                      for b, v in res["gpu_step_ms"].items()}
 
 
 def main(argv=None) -> int:
@@ -233,9 +316,8 @@ def main(argv=None) -> int:
         res = run(args.model, args.layers, args.out, mem_util=args.mem_util)
     else:
         res = json.loads(args.result.read_text())
-        res["projection"] = {b: project({n: {int(k): v for k, v in p.items()} for n, p in pts.items()})
-                             for b, pts in res["step_ms"].items()}
-    print(json.dumps(res["projection"], indent=1))
+        _project_all(res)
+    print(json.dumps({k: res[k] for k in ("projection", "projection_gpu_time") if k in res}, indent=1))
     return 0
 
 

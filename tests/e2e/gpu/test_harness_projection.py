@@ -102,3 +102,36 @@ def test_run_turns_mla_on_before_the_engines_start(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="stop before vLLM"):
         project.run("deepseek-v3", [4, 6, 8], tmp_path)
     assert seen == {"profile": "production", "mla_disable": None}
+
+
+def test_gpu_time_projection_bounds_the_step_between_overlap_and_serial():
+    layers = [4, 6, 8]
+    wall = {"plain": {4: 1.5, 6: 1.6, 8: 1.4}, "eagle3": {4: 6.0, 6: 6.2, 8: 5.8}}
+    gpu = {"plain": {4: 0.30, 6: 0.41, 8: 0.50}, "eagle3": {4: 0.90, 6: 1.21, 8: 1.49}}
+    out = project.project_gpu(wall, gpu)
+    for n in ("plain", "eagle3"):
+        b, a = np.polyfit(layers, [gpu[n][x] for x in layers], 1)
+        g61 = np.polyval([b, a], 61)
+        w = np.mean(list(wall[n].values()))
+        assert out["gpu_ms_at_projected_layers"][n] == pytest.approx(g61)
+        assert out["projected_step_ms"]["overlapped"][n] == pytest.approx(max(w, g61))
+        assert out["projected_step_ms"]["serial"][n] == pytest.approx(w + g61 - np.mean(list(gpu[n].values())))
+    st = out["projected_step_ms"]
+    for how in ("overlapped", "serial"):
+        assert out["projected_speedup"][how]["3.0"] == pytest.approx(3.0 * st[how]["plain"] / st[how]["eagle3"])
+    assert "projection" in out["label"] and "no all-reduce" in out["label"]
+    # GPU times that do not grow with the layers give no projection either.
+    flat = project.project_gpu(wall, {"plain": {4: 0.3, 6: 0.3, 8: 0.3}, "eagle3": gpu["eagle3"]})
+    assert "plain" in flat["not_projected"] and "projected_speedup" not in flat
+
+
+def test_fit_reads_a_result_with_gpu_times(tmp_path, capsys):
+    res = {"step_ms": {"batch1": {"plain": {"4": 1.5, "6": 1.6, "8": 1.4}, "eagle3": {"4": 6.0, "6": 6.2, "8": 5.8}}},
+           "gpu_step_ms": {"batch1": {"plain": {"4": 0.30, "6": 0.41, "8": 0.50},
+                                      "eagle3": {"4": 0.90, "6": 1.21, "8": 1.49}}}}
+    f = tmp_path / "project_deepseek-v3.json"
+    f.write_text(json.dumps(res))
+    assert project.main(["fit", str(f)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "not_projected" in printed["projection"]["batch1"]
+    assert printed["projection_gpu_time"]["batch1"]["projected_speedup"]["overlapped"]["3.0"] > 0
