@@ -26,16 +26,7 @@ if [[ -n ${KERNELS:-} ]]; then
   # with EAGLE3_HARNESS_DSA=1 their stand-ins go into every Python process,
   # after the built vllm._C has registered its ops (a built op always wins).
   cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
-  cat >"$SITE/sitecustomize.py" <<'PY'
-# Written by tools/gpu_harness/device_setup.sh (GPU harness on built kernels).
-import os
-
-if os.environ.get("EAGLE3_HARNESS_DSA") == "1":
-    import vllm._C  # noqa: F401
-    from vllm._gpu_harness_dsa_ops import install
-
-    install()
-PY
+  cp tools/gpu_harness/dsa_sitecustomize.py "$SITE/sitecustomize.py"
 else
   cp tools/gpu_harness/torch_ops.py "$SITE/vllm/_gpu_harness_ops.py"
   cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
