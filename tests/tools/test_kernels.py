@@ -212,4 +212,3 @@ def test_fa3_built_and_stubbed_files_are_disjoint_and_cover_the_dispatch():
     names = {re.search(r"hdim(\w+?)_bf16", f).group(1) for f in built | stubbed}
     assert names == {"64", "64_256", "64_512", "128", "192", "192_128"}
     assert len(built | stubbed) == 24
-    assert set(kernels.BUILD_ORDER) == set(kernels.SUBSET)

@@ -753,13 +753,24 @@ def step_breakdown(trace: dict) -> dict:
     return res
 
 
+def worker_trace(trace_dir: Path, skip: set[str] = frozenset()) -> tuple[str, dict]:
+    """The path and the parsed JSON of the worker trace vLLM's torch profiler
+    wrote under ``trace_dir`` (the first, leaving out the paths in ``skip``)."""
+    import glob
+    import gzip
+
+    traces = sorted(set(glob.glob(str(trace_dir / "**" / "*.json*"), recursive=True)) - set(skip))
+    worker = [t for t in traces if "rank" in Path(t).name or "worker" in Path(t).name] or traces
+    if not worker:
+        raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
+    with (gzip.open if worker[0].endswith(".gz") else open)(worker[0], "rt") as f:
+        return worker[0], json.load(f)
+
+
 def profile(out_dir: Path, artifacts: Path, batch: int, steps: int) -> dict:
     """One plain and one EAGLE-3 engine (the trained drafter), each profiled
     with vLLM's torch profiler over ``steps`` decode steps at ``batch``;
     the worker traces are broken down by step_breakdown()."""
-    import glob
-    import gzip
-
     h.configure_env()
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the runner ranges (RUNNER_RANGES)
     target, trained = artifacts / "deepseek_v3", artifacts / "drafter_trained"
@@ -782,11 +793,8 @@ def profile(out_dir: Path, artifacts: Path, batch: int, steps: int) -> dict:
             llm.stop_profile()
         finally:
             h.shutdown(llm)
-        traces = sorted(glob.glob(str(tdir / "**" / "*.json*"), recursive=True))
-        worker = [t for t in traces if "rank" in Path(t).name or "worker" in Path(t).name] or traces
-        opener = gzip.open if worker and worker[0].endswith(".gz") else open
-        with opener(worker[0], "rt") as f:
-            res[name] = {"trace": str(Path(worker[0]).relative_to(out_dir)), **step_breakdown(json.load(f))}
+        path, trace = worker_trace(tdir)
+        res[name] = {"trace": str(Path(path).relative_to(out_dir)), **step_breakdown(trace)}
         print("PROFILE", name, json.dumps(res[name]), flush=True)
     (out_dir / "profile.json").write_text(json.dumps(res, indent=1))
     return res

@@ -117,11 +117,6 @@ FA3_DEFS = ["FLASHATTENTION_DISABLE_FP16", "FLASHATTENTION_DISABLE_FP8",
 # too, and its MLA-off target stopped there with that error, by name.)
 FA3_NOT_BUILT = [f"hopper/instantiations/flash_fwd_hdim64_256_bf16{v}_sm90.cu" for v in FA3_VARIANTS]
 FA3_STUB = "hopper/eagle3_fa3_not_built.cpp"
-# Marlin MoE is the longest single compile (259 s in call 23). Asking for its
-# target first did not make ninja 1.13 start it first (call 31: the _C
-# objects finished first, Marlin took 275 s and the compile 357 s), but the
-# order costs nothing.
-BUILD_ORDER = ("_moe_C", "_vllm_fa3_C", "_C")
 BINDINGS = {"_C": "csrc/torch_bindings.cpp", "_moe_C": "csrc/moe/torch_bindings.cpp"}
 LIB_PATHS = {"_C": "vllm", "_moe_C": "vllm", "_vllm_fa3_C": "vllm/vllm_flash_attn"}
 # kernel_selector.h (written by upstream's generate_kernels.py at configure
@@ -415,7 +410,7 @@ def build(args: argparse.Namespace) -> int:
     sel = vsrc / MARLIN_SELECTOR
     sel.write_text(trim_marlin_selector(sel.read_text(), SUBSET["_moe_C"]))
 
-    ninja = ["ninja", "-C", str(bdir), f"-j{args.jobs}", *BUILD_ORDER]
+    ninja = ["ninja", "-C", str(bdir), f"-j{args.jobs}", *SUBSET]
     timings["compile_s"] = _run(ninja, log, env=env)
     libs = {t: next(bdir.rglob(f"{t}.*.so")) for t in SUBSET}
     not_built = {}

@@ -90,8 +90,7 @@ def drafter_geometry(drafter: dict, target: dict, aux_ids: list[int]) -> dict:
     # A Llama config without head_dim means hidden / heads: keep the published
     # head size while the heads are split (H200 call 34 ran 7 heads of 1024,
     # which FlashAttention refuses, so the drafter went to TRITON_ATTN).
-    cfg.setdefault("head_dim", None)
-    cfg["head_dim"] = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     cfg.update(vocab_size=target["vocab_size"], draft_vocab_size=target["vocab_size"],
                num_attention_heads=_shard(cfg["num_attention_heads"], "drafter num_attention_heads"),
                num_key_value_heads=max(1, cfg["num_key_value_heads"] // TP),
@@ -120,6 +119,13 @@ def fit_line(xs: list[float], ys: list[float]) -> dict:
 LINEAR_TOLERANCE = 0.05
 
 
+def _fits(points: dict[str, dict[int, float]]) -> tuple[dict, dict]:
+    """A line through each engine's points, and why each that is not a line
+    cannot be extrapolated."""
+    fits = {n: fit_line(sorted(p), [p[k] for k in sorted(p)]) for n, p in points.items()}
+    return fits, {n: why for n, f in fits.items() if (why := not_linear(f))}
+
+
 def not_linear(fit: dict) -> str | None:
     """Why the points do not support extrapolating ``fit`` (None: they do)."""
     if fit["b_ms_per_layer"] <= 0:
@@ -137,8 +143,7 @@ def project(points: dict[str, dict[int, float]], layers: int = FULL_LAYERS,
     times and speed-ups (acceptance length x plain step / EAGLE-3 step), or,
     when a fit is not a line (not_linear), the fits and why nothing is
     projected."""
-    fits = {n: fit_line(sorted(p), [p[k] for k in sorted(p)]) for n, p in points.items()}
-    refused = {n: why for n, f in fits.items() if (why := not_linear(f))}
+    fits, refused = _fits(points)
     if refused:
         return {"fits": fits, "projected_layers": layers, "not_projected": refused,
                 "label": "no projection: the measured step times are not linear in layers"}
@@ -162,8 +167,7 @@ def project_gpu(wall: dict[str, dict[int, float]], gpu: dict[str, dict[int, floa
 
     The speed-up is acceptance length x plain step / EAGLE-3 step under the
     same assumption for both."""
-    fits = {n: fit_line(sorted(p), [p[k] for k in sorted(p)]) for n, p in gpu.items()}
-    refused = {n: why for n, f in fits.items() if (why := not_linear(f))}
+    fits, refused = _fits(gpu)
     label = ("projection from per-step GPU kernel time: per-rank compute only, no all-reduce, CPU cost "
              "held at its measured value (see project.py)")
     if refused:
@@ -180,24 +184,17 @@ def project_gpu(wall: dict[str, dict[int, float]], gpu: dict[str, dict[int, floa
             "label": label}
 
 
-def _gpu_step_ms(trace_dir: Path, before: set[str]) -> tuple[float, str]:
+def _gpu_step_ms(trace_dir: Path, seen: set[str]) -> float:
     """Median GPU kernel time per decode step of the worker trace written
-    since ``before`` (bench_eagle3.step_breakdown)."""
-    import glob
-    import gzip
+    under ``trace_dir`` that is not in ``seen`` (which it joins)."""
+    from bench_eagle3 import step_breakdown, worker_trace
 
-    from bench_eagle3 import step_breakdown
-
-    new = sorted(set(glob.glob(str(trace_dir / "**" / "*.json*"), recursive=True)) - before)
-    worker = [t for t in new if "rank" in Path(t).name or "worker" in Path(t).name] or new
-    if not worker:
-        raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
-    opener = gzip.open if worker[0].endswith(".gz") else open
-    with opener(worker[0], "rt") as f:
-        steps = step_breakdown(json.load(f)).get("steps")
+    path, trace = worker_trace(trace_dir, seen)
+    seen.add(path)
+    steps = step_breakdown(trace).get("steps")
     if not steps:
-        raise RuntimeError(f"{worker[0]}: no decode steps (is VLLM_CUSTOM_SCOPES_FOR_PROFILING=1?)")
-    return steps["median"]["gpu_kernel_ms"], worker[0]
+        raise RuntimeError(f"{path}: no decode steps (is VLLM_CUSTOM_SCOPES_FOR_PROFILING=1?)")
+    return steps["median"]["gpu_kernel_ms"]
 
 
 def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_tokens: int = 64,
@@ -211,8 +208,7 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
     # default compilation and CUDA graphs, no backend forced. H200 call 30 ran
     # under the harness default (the float32 smoke profile: eager,
     # TRITON_ATTN), which is not what these step times are meant to show. Set
-    # before configure_env(), which turns MLA off for the smoke profile (the
-    # seventh session's first projection call ran with MLA off for that reason).
+    # before configure_env(), which turns MLA off for the smoke profile.
     os.environ["EAGLE3_GPU_PROFILE"] = "production"
     h.configure_env()
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the step ranges step_breakdown splits at
@@ -239,11 +235,11 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
             d.mkdir(parents=True)
             (d / "config.json").write_text(json.dumps(cfg, indent=1))
         for name, dr in (("plain", None), ("eagle3", ddir)):
+            traces, seen = work / f"trace_{name}{L}", set()
+            traces.mkdir()
             # One engine at a time: the harness's default share (sized for a few
             # tiny engines side by side) leaves no KV cache at this geometry
             # (H200 call 29: "No available memory for the cache blocks").
-            traces = work / f"trace_{name}{L}"
-            traces.mkdir()
             llm = LLM(**h.engine_kwargs(tdir, dr, load_format="dummy", max_num_seqs=max(batches),
                                         skip_tokenizer_init=True, gpu_memory_utilization=mem_util,
                                         compilation_config={"cudagraph_capture_sizes": capture},
@@ -268,13 +264,10 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
                     res["step_ms"].setdefault(f"batch{b}", {}).setdefault(name, {})[L] = 1000 * dt / steps
                     # Then a short profiled window, apart from the timed run
                     # (the profiler slows the CPU side it measures).
-                    import glob
-
-                    before = set(glob.glob(str(traces / "**" / "*.json*"), recursive=True))
                     llm.start_profile()
                     llm.generate(prompts, SamplingParams(max_tokens=prof_tokens, ignore_eos=True), use_tqdm=False)
                     llm.stop_profile()
-                    gpu_ms, _ = _gpu_step_ms(traces, before)
+                    gpu_ms = _gpu_step_ms(traces, seen)
                     res.setdefault("gpu_step_ms", {}).setdefault(f"batch{b}", {}).setdefault(name, {})[L] = gpu_ms
                 res.setdefault("engine", {})[f"{name}_{L}"] = facts
             finally:
@@ -287,8 +280,8 @@ def run(model: str, layer_counts: list[int], out: Path, batches=(1, 8, 32), gen_
 
 
 def _project_all(res: dict) -> None:
-    """The wall-time projection, and where the result has per-step GPU time
-    (runs since call 34), the GPU-time one."""
+    """The wall-time projection, and where the result has per-step GPU time,
+    the GPU-time one."""
     def ints(pts):
         return {n: {int(k): v for k, v in p.items()} for n, p in pts.items()}
 

@@ -82,3 +82,20 @@ def test_all_with_speed_refuses_what_speed_does_not_measure(tmp_path, monkeypatc
                            "--speed", *extra])
     assert e.value.code == 2
     assert not (tmp_path / "w").exists()
+
+
+def test_worker_trace_reads_the_worker_file_not_seen_yet(tmp_path):
+    # vLLM's torch profiler writes one trace per start/stop window and process,
+    # gzipped or not, under a name that holds the worker's rank.
+    import gzip
+
+    (tmp_path / "engine_core.json").write_text(json.dumps({"who": "engine"}))
+    (tmp_path / "rank0.1.pt.trace.json").write_text(json.dumps({"who": "first"}))
+    with gzip.open(tmp_path / "rank0.2.pt.trace.json.gz", "wt") as f:
+        json.dump({"who": "second"}, f)
+    path, trace = bench_eagle3.worker_trace(tmp_path)
+    assert trace == {"who": "first"}
+    path, trace = bench_eagle3.worker_trace(tmp_path, {path})
+    assert trace == {"who": "second"} and path.endswith(".gz")
+    with pytest.raises(RuntimeError, match="no trace"):
+        bench_eagle3.worker_trace(tmp_path / "none")
