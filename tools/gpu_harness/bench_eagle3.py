@@ -472,7 +472,7 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
         ckw = {**ckw, "index_head_dim": 128, "index_topk": 128, "index_n_heads": DSA_KINDS[kind]}
     tiny.write_checkpoint(kind, target, seed=0, **ckw)
     tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, draft_vocab_size=tiny.VOCAB_SIZE,
-                          **h.DRAFTER_SHAPE, **dkw)
+                          **h.drafter_shape(), **dkw)
     batches = batches or (PROD_BATCHES if prof != "smoke" else BENCH_BATCHES)
     results = {"k": K, "gen_tokens": GEN_TOKENS, "profile": prof, "batches": list(batches), "kind": kind,
                "target": json.loads((target / "config.json").read_text()),

@@ -69,7 +69,7 @@ def write_models(kind: str, work: Path) -> tuple[Path, Path]:
     target, drafter = work / kind, work / f"{kind}_drafter"
     tiny.write_checkpoint(kind, target, seed=5, index_n_heads=KINDS[kind], **DSA_GEOMETRY, **kw)
     tiny.write_checkpoint("eagle3-drafter", drafter, seed=6, dtype=kw["dtype"],
-                          aux_layer_ids=AUX_IDS, **h.DRAFTER_SHAPE)
+                          aux_layer_ids=AUX_IDS, **h.drafter_shape())
     return target, drafter
 
 

@@ -13,6 +13,8 @@
 #   EAGLE3_KERNEL_DEFS_<target>  compile definitions to add (FA3's own switches)
 #   EAGLE3_KERNEL_EXTRA_<target> generated sources to add (kernels.py's FA3_STUB)
 #   EAGLE3_KERNEL_PLACEHOLDER    an empty C++ file for targets that are not built
+#   EAGLE3_KERNEL_FIRST          targets whose objects ninja should start first, the most urgent first
+# Output: for each EAGLE3_KERNEL_FIRST target, eagle3_first_<target>, which builds it.
 include_guard(GLOBAL)
 
 function(_eagle3_trim_target tgt)
@@ -81,6 +83,34 @@ function(_eagle3_apply_subset)
       set_property(TARGET ${tgt} PROPERTY SOURCES "${EAGLE3_KERNEL_PLACEHOLDER}")
       set_property(TARGET ${tgt} PROPERTY EXCLUDE_FROM_ALL TRUE)
     endif()
+  endforeach()
+  _eagle3_order_first()
+endfunction()
+
+# ninja 1.12+ starts ready steps in order of the number of steps left after
+# them on the way to what was asked for, then in build.ninja's order. Every
+# object is one link away from its library, so ninja starts the objects of the
+# target vLLM defines first (_C, about a minute each) and leaves Marlin MoE's
+# object and the FA3 instantiations (2-4.5 min each) to the end, which then
+# decide the build's wall time (H200 calls 23 and 31). A chain of touch steps
+# after a library, in a target of its own (eagle3_first_<target>, which
+# kernels.py asks ninja for), adds that many steps after each of its objects:
+# the first target listed gets the longest chain, so its objects start first.
+# One utility target per chain: CMake makes every step of a utility target
+# wait (order-only) for all the targets it depends on, which would lengthen
+# the others' paths as much.
+function(_eagle3_order_first)
+  list(LENGTH EAGLE3_KERNEL_FIRST n)
+  foreach(tgt IN LISTS EAGLE3_KERNEL_FIRST)
+    set(prev ${tgt})
+    foreach(k RANGE 1 ${n})
+      set(stamp "${CMAKE_BINARY_DIR}/eagle3_first/${tgt}.${k}")
+      add_custom_command(OUTPUT "${stamp}" COMMAND "${CMAKE_COMMAND}" -E touch "${stamp}"
+                         DEPENDS ${prev} VERBATIM)
+      set(prev "${stamp}")
+    endforeach()
+    add_custom_target(eagle3_first_${tgt} DEPENDS "${prev}")
+    math(EXPR n "${n} - 1")
   endforeach()
 endfunction()
 

@@ -50,7 +50,7 @@ STAGE_DIR = REPO_ROOT / ".device" / "kernels"
 HOOK = Path(__file__).resolve().with_name("kernel_subset.cmake")
 SDIST_MEMBERS = ("CMakeLists.txt", "cmake/", "csrc/")
 
-FA3_VARIANTS = ("", "_paged", "_split", "_paged_split")
+FA3_VARIANTS = ("_paged_split", "_split", "_paged", "")
 # What each target keeps, with the reason it is reached. Paths are suffixes of
 # the sources vLLM's CMakeLists.txt lists; the build stops if one is missing.
 SUBSET: dict[str, list[str]] = {
@@ -83,18 +83,21 @@ SUBSET: dict[str, list[str]] = {
         "csrc/moe/torch_bindings.cpp",
     ],
     "_vllm_fa3_C": [
-        "hopper/flash_api.cpp", "hopper/flash_api_torch_lib.cpp",  # the ops and PyInit__vllm_fa3_C
-        "hopper/flash_fwd_combine.cu", "hopper/flash_prepare_scheduler.cu",
         # 64_512: FLASH_ATTN_MLA decode and verify (q_v); 192_128: MLA prefill;
-        # 192: a DeepSeek target with MLA off (VLLM_MLA_DISABLE=1) on
-        # FLASH_ATTN, whose value heads vLLM pads to 192 (H200 call 32 reached
-        # it, split and paged, when MLA was off); 128 and 64: Llama drafters'
-        # heads (64: the tiny test drafters). Each paged or not, split or not:
-        # FLASH_ATTN_MLA passes num_splits > 1 when it captures full CUDA graphs
-        # (H200 call 19: "This flash attention build does not support splits"
-        # without the split files).
+        # 128: the Llama drafters' heads (SpecForge's and TorchSpec's published
+        # configs: 7168 / 56); 192: a DeepSeek target with MLA off
+        # (VLLM_MLA_DISABLE=1) on FLASH_ATTN, whose value heads vLLM pads to
+        # 192 (H200 call 32 reached it, split and paged, when MLA was off).
+        # Each paged or not, split or not: FLASH_ATTN_MLA passes num_splits > 1
+        # when it captures full CUDA graphs (H200 call 19: "This flash attention
+        # build does not support splits" without the split files), and FA3
+        # reads a paged KV cache through TMA, with the non-paged kernel, when
+        # the page size is a multiple of its tile. Longest first (H200 call 23:
+        # 128 split 192 s ... 192_128 110 s): ninja starts them in this order.
         *(f"hopper/instantiations/flash_fwd_hdim{h}_bf16{v}_sm90.cu"
-          for h in ("64", "64_512", "128", "192", "192_128") for v in FA3_VARIANTS),
+          for h in ("128", "64_512", "192", "192_128") for v in FA3_VARIANTS),
+        "hopper/flash_fwd_combine.cu", "hopper/flash_prepare_scheduler.cu",
+        "hopper/flash_api.cpp", "hopper/flash_api_torch_lib.cpp",  # the ops and PyInit__vllm_fa3_C
     ],
 }
 # flash-attention's own switches for what the instantiations above leave out.
@@ -108,15 +111,24 @@ FA3_DEFS = ["FLASHATTENTION_DISABLE_FP16", "FLASHATTENTION_DISABLE_FP8",
             "FLASHATTENTION_DISABLE_HDIM96", "FLASHATTENTION_DISABLE_HDIM256",
             "FLASHATTENTION_DISABLE_PACKGQA", "FLASHATTENTION_DISABLE_LOCAL"]
 # flash_api.cpp's dispatch also names, under the same switches, the HDIM64
-# instantiations for a value dim of 65-256 (64_256): no model or drafter here
-# has that shape (MLA's is 512, a Llama head's equals its head dim), and the 4
-# files took 548 of the 5,024 CPU-s of H200 call 23. Each such specialisation
-# is instead defined in one generated file that raises, by shape, when called;
-# the declarations are read from upstream's own instantiation files, so they
-# are exactly the symbols those files define. (Call 32 stubbed the 192 files
-# too, and its MLA-off target stopped there with that error, by name.)
-FA3_NOT_BUILT = [f"hopper/instantiations/flash_fwd_hdim64_256_bf16{v}_sm90.cu" for v in FA3_VARIANTS]
+# instantiations for a head dim of 64 (value dim 64, or 65-256: 64_256). No
+# model or drafter here has those shapes (MLA's value dim is 512, the published
+# drafters' heads are 128 wide; the GPU suite's tiny drafters have 128 under the
+# production profile for this reason), and the 8 files took 1,225 of the 5,024
+# CPU-s of H200 call 23. Each such specialisation is instead defined in one
+# generated file that raises, by shape, when called; the declarations are read
+# from upstream's own instantiation files, so they are exactly the symbols
+# those files define. (Call 32 stubbed the 192 files this way, and its MLA-off
+# target stopped there with that error, by name.)
+FA3_NOT_BUILT = [f"hopper/instantiations/flash_fwd_hdim{h}_bf16{v}_sm90.cu"
+                 for h in ("64", "64_256") for v in FA3_VARIANTS]
 FA3_STUB = "hopper/eagle3_fa3_not_built.cpp"
+# Whose objects ninja starts first (kernel_subset.cmake's EAGLE3_KERNEL_FIRST):
+# Marlin MoE's one instantiation file is the longest object (259-275 s on the
+# H200, calls 23 and 31), then the FA3 files (110-207 s); _C's are about a
+# minute each. Started last, as ninja otherwise does, the long ones set the wall
+# time (363 s of compile in call 23 against about 250 s of work per core).
+BUILD_FIRST = ["_moe_C", "_vllm_fa3_C"]
 BINDINGS = {"_C": "csrc/torch_bindings.cpp", "_moe_C": "csrc/moe/torch_bindings.cpp"}
 LIB_PATHS = {"_C": "vllm", "_moe_C": "vllm", "_vllm_fa3_C": "vllm/vllm_flash_attn"}
 # kernel_selector.h (written by upstream's generate_kernels.py at configure
@@ -403,14 +415,16 @@ def build(args: argparse.Namespace) -> int:
              f"-DCMAKE_PROJECT_INCLUDE={HOOK}", f"-DEAGLE3_KERNEL_TARGETS={';'.join(SUBSET)}",
              f"-DEAGLE3_KERNEL_PLACEHOLDER={placeholder}",
              f"-DEAGLE3_KERNEL_DEFS__vllm_fa3_C={';'.join(FA3_DEFS)}",
-             f"-DEAGLE3_KERNEL_EXTRA__vllm_fa3_C={stub}"]
+             f"-DEAGLE3_KERNEL_EXTRA__vllm_fa3_C={stub}",
+             f"-DEAGLE3_KERNEL_FIRST={';'.join(BUILD_FIRST)}"]
     cmake += [f"-DEAGLE3_KERNEL_SRCS_{t}={';'.join(s)}" for t, s in SUBSET.items()]
     cmake += [f"-DEAGLE3_KERNEL_SWAP_{t}={s}" for t, s in swaps.items()]
     timings = {"configure_s": _run(cmake, log, env=env)}
     sel = vsrc / MARLIN_SELECTOR
     sel.write_text(trim_marlin_selector(sel.read_text(), SUBSET["_moe_C"]))
 
-    ninja = ["ninja", "-C", str(bdir), f"-j{args.jobs}", *SUBSET]
+    ninja = ["ninja", "-C", str(bdir), f"-j{args.jobs}",
+             *(f"eagle3_first_{t}" if t in BUILD_FIRST else t for t in SUBSET)]
     timings["compile_s"] = _run(ninja, log, env=env)
     libs = {t: next(bdir.rglob(f"{t}.*.so")) for t in SUBSET}
     not_built = {}
@@ -424,8 +438,18 @@ def build(args: argparse.Namespace) -> int:
         left = referenced_functions((vsrc / rel).read_text()) & undefined_functions(libs[tgt])
         if left:
             raise StackError(f"{tgt} still leaves {sorted(left)} undefined")
-    for tgt, lib in libs.items():  # imported as vLLM imports it: an unresolved symbol shows here, by name
-        _run([py, "-c", _IMPORT_CHECK, tgt, str(lib)], log)
+    # Imported as vLLM imports it, each in a fresh interpreter (side by side:
+    # each starts torch): an unresolved symbol shows here, by name.
+    t_import = time.monotonic()
+    checks = {tgt: subprocess.Popen([py, "-c", _IMPORT_CHECK, tgt, str(lib)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for tgt, lib in libs.items()}
+    for tgt, proc in checks.items():
+        text = proc.communicate()[0]
+        with log.open("a") as f:
+            f.write(text)
+        if proc.returncode:
+            raise StackError(f"{libs[tgt]} does not import:\n{text[-3000:]}")
+    timings["import_check_s"] = round(time.monotonic() - t_import, 1)
     for tgt, lib in libs.items():
         dest = out / LIB_PATHS[tgt] / lib.name
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ def write_models(work: Path) -> dict[str, Path]:
     tiny.write_checkpoint("deepseek-v3", paths["deepseek_v3"], seed=0, **kw)
     tiny.write_checkpoint("kimi-k25", paths["kimi_k25"], seed=1, **kw)
     tiny.write_checkpoint("eagle3-drafter", paths["llama_drafter"], seed=2,
-                          dtype=kw["dtype"], **h.DRAFTER_SHAPE)
+                          dtype=kw["dtype"], **h.drafter_shape())
     tiny.write_checkpoint("eagle3-mla-drafter", paths["mla_drafter_kimi_k2"], seed=4,
                           model_type="kimi_k2", **kw)
     return paths

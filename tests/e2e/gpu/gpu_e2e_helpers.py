@@ -97,9 +97,16 @@ def _tiny():
     return tiny_checkpoints
 
 
-# The drafter's attention must give the same KV-cache page as the target's
-# non-MLA attention (4 KV heads x 64), so both share one KV-cache group.
-DRAFTER_SHAPE = {"num_key_value_heads": 4, "head_dim": 64}
+def drafter_shape() -> dict[str, int]:
+    """The tiny Llama drafter's attention under the active profile.
+
+    smoke: MLA is off, and the drafter's attention must give the same KV-cache
+    page as the target's own (4 KV heads x 64), so both share one KV-cache
+    group. production, eager: heads 128 wide, as SpecForge's and TorchSpec's
+    published DeepSeek / Kimi drafters have (7168 / 56), which is the Llama
+    head dim the kernel build compiles for FA3 (tools/gpu_harness/kernels.py).
+    """
+    return {"num_key_value_heads": 4, "head_dim": 64 if profile() == "smoke" else 128}
 
 
 @dataclass
@@ -126,10 +133,10 @@ def make_checkpoints(root: Path) -> Checkpoints:
     dkw = {"dtype": kw["dtype"]} if kw else {}
     tiny.write_checkpoint("deepseek-v3", ck.deepseek_v3, seed=0, **kw)
     tiny.write_checkpoint("kimi-k25", ck.kimi_k25, seed=1, **kw)
-    tiny.write_checkpoint("eagle3-drafter", ck.drafter, seed=2, **DRAFTER_SHAPE, **dkw)
+    tiny.write_checkpoint("eagle3-drafter", ck.drafter, seed=2, **drafter_shape(), **dkw)
     tiny.write_checkpoint(
         "eagle3-drafter", ck.drafter_full_vocab, seed=2,
-        draft_vocab_size=tiny.VOCAB_SIZE, **DRAFTER_SHAPE, **dkw,
+        draft_vocab_size=tiny.VOCAB_SIZE, **drafter_shape(), **dkw,
     )
     for name in ("deepseek_v3", "kimi_k25", "drafter"):
         cfg = json.loads((getattr(ck, name) / "config.json").read_text())
