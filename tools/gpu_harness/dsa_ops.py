@@ -1,15 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Torch stand-ins for the compiled kernels of DeepSeek Sparse Attention (DSA).
+"""Torch stand-ins for the DSA kernels that have no obtainable pinned source.
 
-GLM-5 and DeepSeek-V3.2 need MLA on, an fp8 indexer (vLLM ``_C`` ops and
-DeepGEMM) and FLASHMLA_SPARSE (FlashMLA ``_flashmla_C``), none of which load on
-the lent H200. docs/gpu-dsa.md lists each kernel with its v0.16.0 call site and
-the fp8-only paths. What each stand-in computes is written next to it, read
-from the kernel source (vLLM ``csrc/``, FlashMLA ``csrc/api/sparse_fwd.h`` and
-``sparse_decode.h`` at c2afa9cb, DeepGEMM ``sm90_fp8_mqa_logits.cuh``); where a
-kernel leaves a choice open (top-k order, ties at the k-th value, logits
-outside a row when ``clean_logits`` is False) the stand-in picks one result the
-kernel can produce and says which. ``tests/e2e/gpu/test_harness_dsa_ops.py``
+GLM-5 and DeepSeek-V3.2 run DeepSeek Sparse Attention (DSA) through
+FLASHMLA_SPARSE. Two of the kernels on that path cannot be built here:
+FlashMLA's sparse kernels (``_flashmla_C``; vLLM v0.16.0 pins FlashMLA at
+c2afa9cb, which is not among the stored snapshots) and DeepGEMM's indexer
+logits (``deep_gemm``, likewise). This module stands in for those two, and
+for nothing else: every vLLM ``_C`` / ``_C_cache_ops`` op the DSA path calls
+(the indexer's fp8 quantization, its K cache, top-k per row, the MLA cache
+write and gather) is built from the pinned sources by
+tools/gpu_harness/kernels.py. docs/gpu-dsa.md lists the kernels with their
+v0.16.0 call sites.
+
+What each stand-in computes is written next to it, read from the kernel
+source or its reference (FlashMLA ``csrc/api/sparse_fwd.h``,
+``sparse_decode.h`` and ``tests/ref.py`` at c2afa9cb, DeepGEMM
+``sm90_fp8_mqa_logits.cuh``); where a kernel leaves a choice open (logits
+outside a row when ``clean_logits`` is False) the stand-in picks one result
+the kernel can produce and says which. ``tests/e2e/gpu/test_harness_dsa_ops.py``
 checks each op against a literal reference.
 
 Kept free of vLLM imports (it is imported while ``vllm`` itself is importing).
@@ -19,7 +27,6 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import math
 import sys
 import types
 from collections.abc import Callable
@@ -27,179 +34,30 @@ from collections.abc import Callable
 import torch
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # csrc/cache_kernels.cu:30 kFp8ScaleDivisor (CUDA e4m3fn)
-FLT_MIN = 1.1754943508222875e-38
-
-
-def _to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> e4m3fn as ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, E4M3)``:
-    round to nearest even, saturating at +-448 (torch's cast would give NaN
-    above 464, so clamp first; NaN stays NaN as in the hardware cast)."""
-    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
-    # exp2f(ceilf(log2f(s))): the smallest power of two >= s.
-    return torch.exp2(torch.ceil(torch.log2(scale)))
-
-
-def _div(x: torch.Tensor, d: float) -> torch.Tensor:
-    """x / d rounded as the kernels' float division: torch on CUDA multiplies
-    by the reciprocal of a Python-number divisor, one ulp off (found on the
-    H200), so the divisor is a tensor."""
-    return x / torch.full_like(x, d)
-
-
-def _put_rows(target: torch.Tensor, index: tuple[torch.Tensor, ...], valid: torch.Tensor,
-              rows: torch.Tensor) -> None:
-    """In place: target[index[0][i], index[1][i], ...] = rows[i] where valid[i].
-
-    The kernels skip padded tokens (slot -1) with a branch. Here every token
-    writes (fixed shapes, no host sync, cost O(tokens) rather than a copy of
-    the whole cache): an invalid one repeats the write of the first valid
-    token, same place and same value, so the duplicate is harmless; with no
-    valid token at all, element 0 is rewritten with its own value."""
-    if rows.shape[0] == 0:
-        return
-    any_valid = valid.any()
-    # index_select, not [first]: a 0-dim tensor index is read on the host,
-    # which CUDA-graph capture refuses (found on the H200).
-    first = torch.argmax(valid.to(torch.int32)).reshape(1)
-    idx = []
-    for ix in index:
-        ix = ix.to(torch.int64)
-        fb = torch.where(any_valid, ix.index_select(0, first)[0], 0)
-        idx.append(torch.where(valid, ix, fb))
-    own = target[(0,) * len(index)]
-    fb_row = torch.where(any_valid, rows.index_select(0, first)[0], own)
-    shape = (-1,) + (1,) * (rows.dim() - 1)
-    target.index_put_(tuple(idx), torch.where(valid.view(shape), rows, fb_row))
 
 
 # ---------------------------------------------------------------------------
-# 1. _C::per_token_group_fp8_quant (csrc/quantization/w8a8/fp8/per_token_group_quant.cu)
+# DeepGEMM (a stand-in for the ``deep_gemm`` module)
 # ---------------------------------------------------------------------------
-
-
-def per_token_group_fp8_quant(
-    input: torch.Tensor,
-    output_q: torch.Tensor,
-    output_s: torch.Tensor,
-    group_size: int,
-    eps: float,
-    fp8_min: float,
-    fp8_max: float,
-    scale_ue8m0: bool,
-) -> None:
-    """Per group of ``group_size`` consecutive values along the last dim:
-    absmax = max(eps, max|x|) (the kernel starts its reduction at eps);
-    s = absmax / fp8_max; with ue8m0, s = exp2(ceil(log2(max(|s|, 1e-10))));
-    q = fp8(clamp(x / s, fp8_min, fp8_max)). ``output_s`` gets one float per
-    group, written through its own strides (row- or column-major)."""
-    k = input.shape[-1]
-    if k % group_size != 0:
-        raise RuntimeError(
-            f"per_token_group_fp8_quant: last dim {k} is not a multiple of "
-            f"group_size {group_size}"
-        )
-    x = input.float().reshape(-1, k // group_size, group_size)
-    absmax = x.abs().amax(dim=-1).clamp_min(eps)
-    s = _div(absmax, fp8_max)
-    if scale_ue8m0:
-        s = _ue8m0(s.abs().clamp_min(1e-10))
-    q = (x / s[..., None]).clamp(fp8_min, fp8_max)
-    output_q.copy_(q.to(FP8).reshape(output_q.shape).view(output_q.dtype))
-    output_s.copy_(s.reshape(output_s.shape))
-
-
-# ---------------------------------------------------------------------------
-# 2./3. Indexer K cache (csrc/cache_kernels.cu:437, :501, :1270, :1314)
-# ---------------------------------------------------------------------------
-# Cache tensor: uint8 [num_blocks, block_size, head_dim + head_dim/128*4].
-# Inside one block the kernel does NOT store rows of head_dim+4 bytes: the
-# block's first block_size*head_dim bytes hold every token's fp8 K
-# (token t at t*head_dim), the next block_size*(head_dim/128)*4 bytes hold the
-# fp32 scales (token t, group g at block_size*head_dim + (t*head_dim/128+g)*4).
-# DeepGEMM's paged logits read the same layout.
+# The paged logits read the indexer K cache that vLLM's built
+# indexer_k_quant_and_cache writes (csrc/cache_kernels.cu:437): uint8
+# [num_blocks, block_size, head_dim + head_dim/128*4], but inside one block
+# the rows are NOT head_dim+4 bytes each: the block's first
+# block_size*head_dim bytes hold every token's fp8 K (token t at t*head_dim),
+# the next block_size*(head_dim/128)*4 bytes the fp32 scales (token t, group
+# g at block_size*head_dim + (t*head_dim/128+g)*4).
 
 
 def _indexer_block_views(kv_cache: torch.Tensor, head_dim: int, quant_block_size: int):
     nb, bs, stride = kv_cache.shape
     groups = head_dim // quant_block_size
-    # view (never reshape): a copy would silently drop the writes. The kernel
-    # addresses the block by pointer arithmetic, so it needs this layout too.
+    # view, not reshape: never a silent copy of the whole cache on each call.
     flat = kv_cache.view(torch.uint8).view(nb, bs * stride)
     k_part = flat[:, : bs * head_dim].reshape(nb, bs, head_dim)
     s_part = flat[:, bs * head_dim: bs * head_dim + bs * groups * 4].reshape(nb, bs, groups * 4)
     return k_part, s_part
 
 
-def indexer_k_quant_and_cache(
-    k: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    quant_block_size: int,
-    kv_cache_dtype: str,
-) -> None:
-    """Per token and per 128 values (one warp of 32 threads x 4 values):
-    s = max(amax, 1e-4) / 448, rounded up to a power of two when the format
-    string (vLLM passes the indexer's scale_fmt here) is "ue8m0"; the values
-    are stored as fp8(x / s) (saturating). Tokens with slot -1 are skipped.
-    The kernel's warp always spans 128 values while the scale index divides
-    by quant_block_size, so only quant_block_size 128 is self-consistent."""
-    if quant_block_size != 128:
-        raise RuntimeError(
-            "indexer_k_quant_and_cache: the CUDA kernel reduces over 128 values "
-            f"per scale; quant_block_size {quant_block_size} is not supported"
-        )
-    num_tokens, head_dim = k.shape
-    if head_dim % quant_block_size != 0:
-        raise RuntimeError("head_dim must be divisible by quant_block_size")
-    use_ue8m0 = kv_cache_dtype == "ue8m0"
-    groups = head_dim // quant_block_size
-    x = k.float().reshape(num_tokens, groups, quant_block_size)
-    s = _div(x.abs().amax(dim=-1).clamp_min(1e-4), FP8_MAX)
-    if use_ue8m0:
-        s = _ue8m0(s)
-    q = _to_fp8(x / s[..., None]).reshape(num_tokens, head_dim).view(torch.uint8)
-    s_bytes = s.contiguous().view(torch.uint8).reshape(num_tokens, groups * 4)
-
-    k_part, s_part = _indexer_block_views(kv_cache, head_dim, quant_block_size)
-    bs = kv_cache.shape[1]
-    slots = slot_mapping.reshape(-1).to(torch.int64)
-    valid = slots >= 0
-    _put_rows(k_part, (slots // bs, slots % bs), valid, q)
-    _put_rows(s_part, (slots // bs, slots % bs), valid, s_bytes)
-
-
-def cp_gather_indexer_k_quant_cache(
-    kv_cache: torch.Tensor,
-    dst_k: torch.Tensor,
-    dst_scale: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seq_lens: torch.Tensor,
-) -> None:
-    """Copies, for each request b and each of its tokens i (dst row
-    cu_seq_lens[b] + i), the fp8 K bytes and scale bytes of logical position i
-    (block block_table[b, i // block_size]) into dst_k / dst_scale."""
-    num_tokens, head_dim = dst_k.shape
-    quant_block_size = head_dim * 4 // dst_scale.shape[1]
-    k_part, s_part = _indexer_block_views(kv_cache, head_dim, quant_block_size)
-    bs = kv_cache.shape[1]
-    cu = cu_seq_lens.to(torch.int64)
-    tok = torch.arange(num_tokens, device=dst_k.device, dtype=torch.int64)
-    batch = torch.searchsorted(cu[1:], tok, right=True).clamp_max(block_table.shape[0] - 1)
-    pos = tok - cu[batch]
-    col = (pos // bs).clamp(0, block_table.shape[1] - 1)
-    blk = block_table.to(torch.int64)[batch, col].clamp(0, kv_cache.shape[0] - 1)
-    off = pos % bs
-    dst_k.view(torch.uint8).copy_(k_part[blk, off])
-    dst_scale.view(torch.uint8).copy_(s_part[blk, off])
-
-
-# ---------------------------------------------------------------------------
-# 4./6./7. DeepGEMM (a stand-in for the ``deep_gemm`` module)
-# ---------------------------------------------------------------------------
 # sm90_fp8_mqa_logits.cuh: for each (query m, key n) the kernel takes the fp8
 # WGMMA dot product per head in fp32, applies max(., 0), multiplies by the
 # head weight, sums over heads in fp32 and multiplies the sum by the key's
@@ -272,13 +130,13 @@ def fp8_paged_mqa_logits(
     clean_logits: bool = True,
 ) -> torch.Tensor:
     """DeepGEMM ``fp8_paged_mqa_logits``: q [B, next_n, H, D] e4m3, cache uint8
-    [num_blocks, block_size, 1, D + 4] (block layout as the indexer writes it,
-    see above), weights [B*next_n, H], context_lens [B], block_tables [B, nb]
-    -> logits [B*next_n, max_model_len] f32. Row b*next_n + j is the query at
-    position context_lens[b] - next_n + j; columns are logical key positions,
-    defined for 0 <= n <= that position (-inf elsewhere, see fp8_mqa_logits).
-    Same formula as fp8_mqa_logits. Fixed shapes: every block a row could
-    reach is gathered and masked."""
+    [num_blocks, block_size, 1, D + 4] (the block layout above), weights
+    [B*next_n, H], context_lens [B], block_tables [B, nb] -> logits
+    [B*next_n, max_model_len] f32. Row b*next_n + j is the query at position
+    context_lens[b] - next_n + j; columns are logical key positions, defined
+    for 0 <= n <= that position (-inf elsewhere, see fp8_mqa_logits). Same
+    formula as fp8_mqa_logits. Fixed shapes: every block a row could reach is
+    gathered and masked."""
     b, next_n, h, d = q_fp8.shape
     nb_cache, bs = kv_cache_fp8.shape[0], kv_cache_fp8.shape[1]
     cache = kv_cache_fp8.reshape(nb_cache, bs, -1)
@@ -307,183 +165,31 @@ def get_num_sms() -> int:
 
 
 # ---------------------------------------------------------------------------
-# 5./8. Top-k per row (csrc/sampler.cu:328 topKPerRowJob, :541, :565)
-# ---------------------------------------------------------------------------
-# Output indices are relative to the row start. A row of length <= topK gets
-# 0..len-1 in order, then -1. A longer row gets the positions of its topK
-# largest logits; the kernel's order among them comes from atomics in its
-# histogram passes and is unspecified, and so is which of several equal values
-# at the k-th place wins. Here: descending value, ties to the lower position.
-
-
-def _top_k_rows(vals: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                top_k: int) -> torch.Tensor:
-    rows, n = vals.shape
-    cols = torch.arange(n, device=vals.device)
-    inside = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
-    masked = torch.where(inside, vals.float(), torch.full_like(vals, float("-inf"), dtype=torch.float32))
-    kk = min(top_k, n)
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :kk]
-    if kk < top_k:
-        order = torch.cat([order, order.new_zeros((rows, top_k - kk))], dim=1)
-    rel = order - starts[:, None]
-    row_len = (ends - starts)[:, None]
-    j = torch.arange(top_k, device=vals.device)[None, :]
-    short = torch.where(j < row_len, j, torch.full_like(j, -1))
-    picked = torch.where(j < row_len, rel, torch.full_like(rel, -1))
-    return torch.where(row_len <= top_k, short, picked)
-
-
-def _row_view(logits: torch.Tensor, num_rows: int, stride0: int, stride1: int) -> torch.Tensor:
-    return logits.as_strided((num_rows, logits.shape[-1]), (stride0, stride1),
-                             logits.storage_offset())
-
-
-def top_k_per_row_prefill(
-    logits: torch.Tensor,
-    rowStarts: torch.Tensor,
-    rowEnds: torch.Tensor,
-    indices: torch.Tensor,
-    numRows: int,
-    stride0: int,
-    stride1: int,
-    topK: int,
-) -> None:
-    vals = _row_view(logits, numRows, stride0, stride1)
-    res = _top_k_rows(vals, rowStarts[:numRows].to(torch.int64),
-                      rowEnds[:numRows].to(torch.int64), topK)
-    indices[:numRows, :topK].copy_(res.to(indices.dtype))
-
-
-def top_k_per_row_decode(
-    logits: torch.Tensor,
-    next_n: int,
-    seq_lens: torch.Tensor,
-    indices: torch.Tensor,
-    numRows: int,
-    stride0: int,
-    stride1: int,
-    topK: int,
-) -> None:
-    """Row r covers [0, seq_lens[r // next_n] - next_n + r % next_n + 1)."""
-    vals = _row_view(logits, numRows, stride0, stride1)
-    r = torch.arange(numRows, device=logits.device, dtype=torch.int64)
-    ends = seq_lens.to(torch.int64)[r // next_n] - next_n + r % next_n + 1
-    res = _top_k_rows(vals, torch.zeros_like(ends), ends, topK)
-    indices[:numRows, :topK].copy_(res.to(indices.dtype))
-
-
-# ---------------------------------------------------------------------------
-# 9./12. MLA KV cache (csrc/cache_kernels.cu:290, :334, :698, :996)
-# ---------------------------------------------------------------------------
-DS_MLA_BYTES = 656  # 512 fp8 + 4 * fp32 + 64 * bf16
-
-
-def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache [num_blocks, block_size, W] (any strides); rows [T, W]; slot -1
-    writes nothing."""
-    bs = cache.shape[1]
-    _put_rows(cache, (slots // bs, slots % bs), slots >= 0, rows)
-
-
-def concat_and_cache_mla(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    scale: torch.Tensor,
-) -> None:
-    """Writes [kv_c | k_pe] of each token to its slot (slot -1: skipped).
-    "auto": copied as they are. "fp8"/"fp8_e4m3": each value fp8(x / scale)
-    with the per-tensor scale. "fp8_ds_mla" (kv_lora_rank 512, rope 64, 656
-    bytes): per 128 NoPE values s = max(max|x| / 448, FLT_MIN), stored
-    fp8(x / s), the 4 scales as fp32 at byte 512, the RoPE part as its 16-bit
-    values at byte 528."""
-    t, rank = kv_c.shape
-    pe_dim = k_pe.shape[-1]
-    slots = slot_mapping.reshape(-1).to(torch.int64)
-    if kv_cache.dim() != 3:
-        raise RuntimeError("concat_and_cache_mla: kv_cache must be [num_blocks, block_size, width]")
-    if kv_cache_dtype == "fp8_ds_mla":
-        if rank != 512 or pe_dim != 64:
-            raise RuntimeError("fp8_ds_mla needs kv_lora_rank 512 and pe_dim 64")
-        if kv_cache.shape[-1] != DS_MLA_BYTES or kv_cache.element_size() != 1:
-            raise RuntimeError("kv_cache.size(2) must be 656 bytes for fp8_ds_mla")
-        if kv_c.element_size() != 2 or k_pe.element_size() != 2:
-            raise RuntimeError("kv_c and k_pe must be 16-bit for fp8_ds_mla")
-        x = kv_c.float().reshape(t, 4, 128)
-        s = _div(x.abs().amax(dim=-1), FP8_MAX).clamp_min(FLT_MIN)
-        nope = _to_fp8(x / s[..., None]).reshape(t, 512).view(torch.uint8)
-        rows = torch.cat([nope, s.contiguous().view(torch.uint8).reshape(t, 16),
-                          k_pe.reshape(t, 64).contiguous().view(torch.uint8)], dim=1)
-        _scatter_rows(kv_cache.view(torch.uint8), slots, rows)
-    elif kv_cache_dtype == "auto":
-        rows = torch.cat([kv_c, k_pe.reshape(t, pe_dim)], dim=1).to(kv_cache.dtype)
-        _scatter_rows(kv_cache, slots, rows)
-    elif kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        rows = torch.cat([kv_c, k_pe.reshape(t, pe_dim)], dim=1).float()
-        rows = _to_fp8(rows / scale.float().reshape(())).view(torch.uint8)
-        _scatter_rows(kv_cache.view(torch.uint8), slots, rows)
-    else:
-        raise RuntimeError(
-            f"concat_and_cache_mla stand-in: kv_cache_dtype {kv_cache_dtype!r} is "
-            "not implemented (auto, fp8, fp8_e4m3, fp8_ds_mla are)"
-        )
-
-
-def _dequant_ds_mla(tokens: torch.Tensor, bf16_scale: bool = False) -> torch.Tensor:
-    """uint8 [..., 656] -> bf16 [..., 576], RoPE copied. NoPE:
-    bf16(float(fp8) * scale) in vLLM's upconvert kernel
-    (scaled_vec_conversion<__nv_bfloat16, uint8_t>); FlashMLA's SM90 sparse
-    decode (sm90/decode/sparse_fp8/components/dequant.h cvt_fp8x8_bf16x8)
-    first rounds the scale to bf16 (__float2bfloat162_rn) and multiplies in
-    bf16: bf16(fp8 * bf16(scale)) - ``bf16_scale=True``."""
-    lead = tokens.shape[:-1]
-    t = tokens.reshape(-1, DS_MLA_BYTES)
-    nope = t[:, :512].contiguous().view(FP8).float().reshape(-1, 4, 128)
-    s = t[:, 512:528].contiguous().view(torch.float32).reshape(-1, 4, 1)
-    if bf16_scale:
-        s = s.to(torch.bfloat16).float()
-    rope = t[:, 528:].contiguous().view(torch.bfloat16)
-    out = torch.cat([(nope * s).reshape(-1, 512).to(torch.bfloat16), rope], dim=1)
-    return out.reshape(*lead, 576)
-
-
-def cp_gather_and_upconvert_fp8_kv_cache(
-    src_cache: torch.Tensor,
-    dst: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    workspace_starts: torch.Tensor,
-    batch_size: int,
-) -> None:
-    """For request b < batch_size and position i < seq_lens[b]:
-    dst[workspace_starts[b] + i] = dequant(token i of b). Rows of dst that no
-    request covers are left as they are."""
-    if dst.shape[1] != 576 or dst.dtype != torch.bfloat16:
-        raise RuntimeError("dst must be bfloat16 with head_dim 576")
-    nb, bs = src_cache.shape[0], src_cache.shape[1]
-    n_dst = dst.shape[0]
-    maxlen = block_table.shape[1] * bs
-    i = torch.arange(maxlen, device=dst.device, dtype=torch.int64)
-    bt = block_table[:batch_size].to(torch.int64)
-    blk = bt.gather(1, (i // bs)[None, :].expand(batch_size, -1)).clamp(0, nb - 1)
-    toks = src_cache.view(torch.uint8)[blk, (i % bs)[None, :].expand(batch_size, -1)]
-    vals = _dequant_ds_mla(toks)  # [batch, maxlen, 576]
-    valid = i[None, :] < seq_lens[:batch_size].to(torch.int64)[:, None]
-    rows = workspace_starts[:batch_size].to(torch.int64)[:, None] + i[None, :]
-    valid = valid & (rows < n_dst)
-    _put_rows(dst, (rows.reshape(-1),), valid.reshape(-1), vals.reshape(-1, 576))
-
-
-# ---------------------------------------------------------------------------
-# 10./11. FlashMLA sparse (FlashMLA csrc/api/sparse_fwd.h, sparse_decode.h;
+# FlashMLA sparse (FlashMLA csrc/api/sparse_fwd.h, sparse_decode.h;
 # semantics: FlashMLA tests/ref.py ref_sparse_attn_fwd / ref_sparse_attn_decode.
 # The kernels take bf16 q and keys, accumulate in fp32 and round out to bf16;
 # they also round the softmax weights to bf16 for the P·V product, which the
 # stand-in keeps in fp32, so the two agree to bf16 rounding, not bit for bit.)
 # ---------------------------------------------------------------------------
+DS_MLA_BYTES = 656  # fp8_ds_mla token: 512 fp8 + 4 * fp32 + 64 * bf16
+
+
+def _dequant_ds_mla(tokens: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 656] (the layout vLLM's built concat_and_cache_mla writes
+    for fp8_ds_mla, csrc/cache_kernels.cu:334: NoPE fp8 at byte 0, 4 fp32
+    scales at 512, RoPE bf16 at 528) -> bf16 [..., 576], RoPE copied. NoPE as
+    FlashMLA's SM90 sparse decode dequantizes it
+    (sm90/decode/sparse_fp8/components/dequant.h cvt_fp8x8_bf16x8): the scale
+    rounded to bf16 first (__float2bfloat162_rn), then bf16(fp8 * bf16(scale))."""
+    lead = tokens.shape[:-1]
+    t = tokens.reshape(-1, DS_MLA_BYTES)
+    nope = t[:, :512].contiguous().view(FP8).float().reshape(-1, 4, 128)
+    s = t[:, 512:528].contiguous().view(torch.float32).reshape(-1, 4, 1).to(torch.bfloat16).float()
+    rope = t[:, 528:].contiguous().view(torch.bfloat16)
+    out = torch.cat([(nope * s).reshape(-1, 512).to(torch.bfloat16), rope], dim=1)
+    return out.reshape(*lead, 576)
+
+
 def _sparse_attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor,
                    sm_scale: float, d_v: int, attn_sink: torch.Tensor | None):
     """q [T, H, D] bf16, kv [T, K, D] bf16 (gathered), valid [T, K] ->
@@ -591,8 +297,7 @@ def sparse_decode_fwd(
         lim = topk_length.to(torch.int64).repeat_interleave(s_q)[:, None]
         valid = valid & (torch.arange(topk, device=q.device)[None, :] < lim)
     tokens = kv.view(torch.uint8).reshape(n_slots, DS_MLA_BYTES)
-    keys = _dequant_ds_mla(tokens[torch.where(valid, idx, torch.zeros_like(idx))],
-                           bf16_scale=True)
+    keys = _dequant_ds_mla(tokens[torch.where(valid, idx, torch.zeros_like(idx))])
     out, _, lse = _sparse_attend(q.reshape(b * s_q, h_q, d_qk), keys, valid, sm_scale,
                                  d_v, attn_sink)
     lse = torch.where(torch.isinf(lse) & (lse < 0), torch.full_like(lse, float("inf")), lse)
@@ -625,32 +330,10 @@ def _sparse_decode_fake(q, kv, indices, topk_length, attn_sink, tile_scheduler_m
 # Registration and installation
 # ---------------------------------------------------------------------------
 
-# (namespace, name, schema, impl, fake or None for "returns nothing").
-# Schemas: csrc/torch_bindings.cpp:182,188,641,714,761,768,775 for vLLM; for
-# FlashMLA (schema inferred from the C++ signature by make_pytorch_shim) the
-# argument order of the calls in flash_mla_interface.py:156 and :209.
-_OPS: list[tuple[str, str, str, Callable, Callable | None]] = [
-    ("_C", "per_token_group_fp8_quant",
-     "(Tensor input, Tensor! output_q, Tensor! output_s, int group_size, float eps, "
-     "float fp8_min, float fp8_max, bool scale_ue8m0) -> ()", per_token_group_fp8_quant, None),
-    ("_C", "top_k_per_row_prefill",
-     "(Tensor logits, Tensor rowStarts, Tensor rowEnds, Tensor! indices, int numRows, "
-     "int stride0, int stride1, int topK) -> ()", top_k_per_row_prefill, None),
-    ("_C", "top_k_per_row_decode",
-     "(Tensor logits, int next_n, Tensor seq_lens, Tensor! indices, int numRows, "
-     "int stride0, int stride1, int topK) -> ()", top_k_per_row_decode, None),
-    ("_C_cache_ops", "concat_and_cache_mla",
-     "(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, Tensor slot_mapping, "
-     "str kv_cache_dtype, Tensor scale) -> ()", concat_and_cache_mla, None),
-    ("_C_cache_ops", "cp_gather_and_upconvert_fp8_kv_cache",
-     "(Tensor src_cache, Tensor! dst, Tensor block_table, Tensor seq_lens, "
-     "Tensor workspace_starts, int batch_size) -> ()", cp_gather_and_upconvert_fp8_kv_cache, None),
-    ("_C_cache_ops", "indexer_k_quant_and_cache",
-     "(Tensor k, Tensor! kv_cache, Tensor slot_mapping, int quant_block_size, "
-     "str kv_cache_dtype) -> ()", indexer_k_quant_and_cache, None),
-    ("_C_cache_ops", "cp_gather_indexer_k_quant_cache",
-     "(Tensor kv_cache, Tensor! dst_k, Tensor! dst_scale, Tensor block_table, "
-     "Tensor cu_seq_lens) -> ()", cp_gather_indexer_k_quant_cache, None),
+# (namespace, name, schema, impl, fake). Schemas: FlashMLA's is inferred from
+# the C++ signature by make_pytorch_shim, so these follow the argument order
+# of the calls in flash_mla_interface.py:156 and :209.
+_OPS: list[tuple[str, str, str, Callable, Callable]] = [
     ("_flashmla_C", "sparse_prefill_fwd",
      "(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? attn_sink, "
      "Tensor? topk_length) -> Tensor[]", sparse_prefill_fwd, _sparse_prefill_fake),
@@ -662,11 +345,6 @@ _OPS: list[tuple[str, str, str, Callable, Callable | None]] = [
 ]
 
 OP_NAMES: tuple[str, ...] = tuple(f"{ns}::{name}" for ns, name, *_ in _OPS)
-
-# torch_ops.py defines this name as "referenced only" (its implementation
-# raises). The DSA indexer calls it, so this module's implementation replaces
-# that one when torch_ops registered first.
-_OVERRIDES_HARNESS = {"_C::per_token_group_fp8_quant"}
 
 DEEP_GEMM_FUNCTIONS: dict[str, Callable] = {
     "fp8_mqa_logits": fp8_mqa_logits,
@@ -686,45 +364,26 @@ def _op_exists(ns: str, name: str) -> bool:
         return False
 
 
-def _harness_referenced_only() -> set[str]:
-    mod = sys.modules.get("vllm._gpu_harness_ops") or sys.modules.get("gpu_harness_torch_ops")
-    return set(getattr(mod, "REFERENCED_ONLY", ())) if mod is not None else set()
-
-
-def _noop_fake(*args, **kwargs) -> None:
-    return None
-
-
 def register(namespace_map: dict[str, str] | None = None) -> list[str]:
     """Define and implement every op (CPU and CUDA kernels). ``namespace_map``
     renames namespaces (the tests use their own). An op that already exists is
-    left alone (a real compiled build wins), except a torch_ops "referenced
-    only" placeholder, whose implementation is replaced. Returns the qualified
-    names this call registered or replaced."""
+    left alone: a real compiled build wins. Returns the qualified names this
+    call registered."""
     namespace_map = namespace_map or {}
-    replaceable = _harness_referenced_only() & _OVERRIDES_HARNESS
     done = []
     for ns, name, schema, impl, fake in _OPS:
         target = namespace_map.get(ns, ns)
         qualname = f"{target}::{name}"
-        if qualname in _REGISTERED:
+        if qualname in _REGISTERED or _op_exists(target, name):
             continue
-        override = False
-        if _op_exists(target, name):
-            if f"{ns}::{name}" in replaceable:
-                override = True
-            else:
-                continue
         lib = _LIBS.get(target)
         if lib is None:
             lib = torch.library.Library(target, "FRAGMENT")
             _LIBS[target] = lib
-        if not override:
-            lib.define(name + schema)
+        lib.define(name + schema)
         for key in ("CPU", "CUDA"):
-            lib.impl(name, impl, key, allow_override=override)
-        if not override:
-            torch.library.register_fake(qualname, fake or _noop_fake, lib=lib)
+            lib.impl(name, impl, key)
+        torch.library.register_fake(qualname, fake, lib=lib)
         _REGISTERED.add(qualname)
         done.append(qualname)
     return done
@@ -765,9 +424,9 @@ def install(deep_gemm: bool = True, flashmla: bool = True) -> list[str]:
       ``_flashmla_extension_C``) are NOT stood in: dense MLA models must pick
       TRITON_MLA explicitly.
 
-    Must run in every process vLLM starts, after the harness's own ops
-    (torch_ops.register()) and before vLLM imports the attention backends:
-    the ``vllm/_C.py`` stand-in is that place."""
+    Must run in every process vLLM starts, after the built ``vllm._C`` has
+    registered its ops and before vLLM imports the attention backends:
+    dsa_sitecustomize.py runs it at interpreter start-up."""
     names = register()
     if deep_gemm and _missing("deep_gemm"):
         sys.modules["deep_gemm"] = _stub_module(
@@ -779,6 +438,3 @@ def install(deep_gemm: bool = True, flashmla: bool = True) -> list[str]:
                 sys.modules[name] = _stub_module(
                     name, "GPU-harness stand-in; ops registered by vllm._gpu_harness_dsa_ops")
     return names
-
-
-assert math.isclose(FP8_MAX, torch.finfo(FP8).max)

@@ -18,9 +18,10 @@
    --no-deps --only-binary=:all:`` when missing).
 
 ``.device/`` is git-ignored; name ``.device/whl`` and ``.device/vllm`` in the
-device call's ``carry``. The ops, the ``vllm._C`` stand-in and the xgrammar
-placeholder travel with the working tree and are installed on the device by
-``tools/gpu_harness/device_setup.sh``.
+device call's ``carry``, with ``.device/kernels`` (the kernel sources of
+``kernels.py stage``, and the ``kernels-libs.tar.xz`` a build returns). The DSA
+stand-ins, their start-up hook and the xgrammar placeholder travel with the
+working tree; ``tools/gpu_harness/device_setup.sh`` installs them.
 """
 
 from __future__ import annotations

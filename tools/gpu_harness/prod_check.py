@@ -123,7 +123,7 @@ def offline(out: Path, work: Path, only: str | None = None) -> None:
                 print("AGREE", spec["name"], json.dumps(spec["agreement_with_plain"]), flush=True)
             runs.append(spec)
     (out / f"prod_offline{'_' + only if only else ''}.json").write_text(json.dumps(
-        {"profile": h.profile(), "harness": h.harness_in_use(), "runs": runs}, indent=1))
+        {"profile": h.profile(), "op_providers": h.op_providers(), "runs": runs}, indent=1))
 
 
 MLA_BACKENDS = ("FLASH_ATTN_MLA", "TRITON_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA")

@@ -72,7 +72,7 @@ for _d in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "gpu_harness"):
         sys.path.append(str(_d))
 
 
-# Inputs of the op tests (test_harness_ops.py, test_harness_dsa_ops.py).
+# Inputs of the DSA stand-ins' op tests (test_harness_dsa_ops.py).
 def gen(seed: int, device: str):
     import torch
 
@@ -241,8 +241,6 @@ OP_MODULES = ("vllm._C", "vllm._moe_C", "vllm.vllm_flash_attn._vllm_fa2_C",
 def _worker_facts(worker) -> dict[str, Any]:
     """Runs in each worker (collective_rpc): what the engine actually uses,
     after vLLM's own backend choice and CUDA-graph lowering."""
-    import importlib
-
     mr = worker.model_runner
     drafter = getattr(mr, "drafter", None)
     draft_layers = set(getattr(drafter, "attn_layer_names", None) or [])
@@ -251,16 +249,6 @@ def _worker_facts(worker) -> dict[str, Any]:
         for g in groups:
             for name in g.layer_names:
                 backends["drafter" if name in draft_layers else "target"].add(g.backend.get_name())
-    providers = {}
-    for mod in OP_MODULES:
-        try:
-            m = importlib.import_module(mod)
-            f = getattr(m, "__file__", None)
-            # A compiled library is built; a .py file or a module object made
-            # at run time (dsa_ops.install()) is a stand-in.
-            providers[mod] = f"built {f}" if f and not f.endswith(".py") else f"stand-in {f or m.__doc__}"
-        except ImportError as e:
-            providers[mod] = f"absent ({e})"
     disp = getattr(drafter, "cudagraph_dispatcher", None)
     return {
         "attention_backends": {k: sorted(v) for k, v in backends.items()},
@@ -268,7 +256,7 @@ def _worker_facts(worker) -> dict[str, Any]:
         "target_dispatcher_mode": str(getattr(mr.cudagraph_dispatcher, "cudagraph_mode", None)),
         "drafter_dispatcher_mode": None if disp is None else str(disp.cudagraph_mode),
         "compilation_mode": str(mr.compilation_config.mode),
-        "op_providers": providers,
+        "op_providers": op_providers(),
     }
 
 
@@ -363,13 +351,21 @@ def assert_drafted(metrics) -> None:
     assert metrics["num_drafts"] > 0, f"no drafts were proposed: {metrics}"
 
 
-def harness_in_use() -> bool:
-    """True when vllm._C is the GPU harness stand-in (tools/gpu_harness)."""
-    try:
-        import vllm._C as c
-    except Exception:
-        return False
-    return hasattr(c, "HARNESS_OPS")
+def op_providers() -> dict[str, str]:
+    """Who serves each compiled-op module in this process: built (a compiled
+    library), stand-in (a .py file, or a module made at run time by
+    dsa_ops.install()) or absent."""
+    import importlib
+
+    providers = {}
+    for mod in OP_MODULES:
+        try:
+            m = importlib.import_module(mod)
+            f = getattr(m, "__file__", None)
+            providers[mod] = f"built {f}" if f and not f.endswith(".py") else f"stand-in {f or m.__doc__}"
+        except ImportError as e:
+            providers[mod] = f"absent ({e})"
+    return providers
 
 
 def token_agreement(plain, spec) -> dict[str, Any]:

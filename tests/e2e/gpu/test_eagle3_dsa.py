@@ -39,7 +39,7 @@ def _tool(name):
 @pytest.fixture(autouse=True)
 def _eager_bf16(monkeypatch):
     monkeypatch.setenv("EAGLE3_GPU_PROFILE", "eager")
-    # vllm._C first: on the harness its stand-in installs the DeepGEMM one.
+    # vllm._C first: on the H200 harness, dsa_sitecustomize.py installs the DeepGEMM stand-in after it.
     import vllm._C  # noqa: F401
     from vllm.utils.import_utils import has_deep_gemm
 

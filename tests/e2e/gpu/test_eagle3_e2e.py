@@ -44,7 +44,7 @@ from gpu_e2e_helpers import (
     engine_kwargs,
     generate_tokens,
     SMOKE_ONLY,
-    harness_in_use,
+    op_providers,
     profile,
     shutdown,
     token_prompts,
@@ -73,7 +73,7 @@ def _serve(model, prompts, max_tokens, drafter=None, **extra):
 def _record(path, plain, spec, spec_metrics, **fields):
     path.write_text(json.dumps({
         **fields, "equal": plain == spec, "plain": plain, "eagle3": spec,
-        "spec_decode_metrics": spec_metrics, "harness": harness_in_use()}, indent=1))
+        "spec_decode_metrics": spec_metrics, "op_providers": op_providers()}, indent=1))
 
 
 def test_smoke_deepseek_v3_eagle3_greedy_equals_plain(tiny_ckpts, results_dir):

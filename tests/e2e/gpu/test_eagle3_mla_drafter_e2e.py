@@ -113,7 +113,7 @@ def test_smoke_deepseek_v3_mla_drafter_greedy_equals_plain(
                 "plain": plain,
                 "eagle3": spec,
                 "spec_decode_metrics": metrics,
-                "harness": h.harness_in_use(),
+                "op_providers": h.op_providers(),
             },
             indent=1,
         )

@@ -17,33 +17,35 @@ from gpu_e2e_helpers import REPO_ROOT
 
 HARNESS = REPO_ROOT / "tools" / "gpu_harness"
 
-# What a built vllm._C does on import for the op checked here: define and
-# implement it in its own namespace (TORCH_LIBRARY in csrc/torch_bindings.cpp).
+# A built library that also registers an op dsa_ops stands in for, as a
+# TORCH_LIBRARY does on import: the collision is made here on purpose (the
+# real vllm._C has no _flashmla_C op), so the stand-in must lose to it.
 _BUILT_C = '''
 import torch
-lib = torch.library.Library("_C_cache_ops", "DEF")
-lib.define("concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, Tensor slot_mapping, "
-           "str kv_cache_dtype, Tensor scale) -> ()")
+lib = torch.library.Library("_flashmla_C", "DEF")
+lib.define("sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, "
+           "Tensor? attn_sink, Tensor? topk_length) -> Tensor[]")
 def built(*args):
     raise RuntimeError("the built kernel ran")
-lib.impl("concat_and_cache_mla", built, "CPU")
+lib.impl("sparse_prefill_fwd", built, "CPU")
 '''
 
 _PROBE = '''
 import json, sys, torch
-out = {"deep_gemm": "deep_gemm" in sys.modules, "flashmla_sparse": False, "cache_op": None}
+out = {"deep_gemm": "deep_gemm" in sys.modules, "sparse_decode": False, "sparse_prefill": None}
 try:
-    out["flashmla_sparse"] = hasattr(torch.ops._flashmla_C, "sparse_prefill_fwd")
+    out["sparse_decode"] = hasattr(torch.ops._flashmla_C, "sparse_decode_fwd")
 except Exception:
     pass
+q, kv = torch.zeros((1, 64, 576), dtype=torch.bfloat16), torch.zeros((1, 1, 576), dtype=torch.bfloat16)
 try:
-    t = torch.zeros(1)
-    torch.ops._C_cache_ops.concat_and_cache_mla(t, t, t, t.long(), "auto", t)
-    out["cache_op"] = "stand-in ran"
-except RuntimeError as e:
-    out["cache_op"] = str(e)
+    torch.ops._flashmla_C.sparse_prefill_fwd(q, kv, torch.zeros((1, 1, 1), dtype=torch.int32),
+                                             1.0, 512, None, None)
+    out["sparse_prefill"] = "stand-in ran"
 except AttributeError:
-    out["cache_op"] = "absent"
+    out["sparse_prefill"] = "absent"
+except Exception as e:
+    out["sparse_prefill"] = str(e)
 print(json.dumps(out))
 '''
 
@@ -70,11 +72,11 @@ def _probe(site: Path, dsa: bool) -> dict:
 
 def test_dsa_stand_ins_join_built_kernels_in_every_interpreter(tmp_path: Path):
     got = _probe(_site(tmp_path), dsa=True)
-    assert got["deep_gemm"] and got["flashmla_sparse"]
-    # dsa_ops has its own concat_and_cache_mla; the built one stays.
-    assert got["cache_op"] == "the built kernel ran"
+    assert got["deep_gemm"] and got["sparse_decode"]
+    # dsa_ops has its own sparse_prefill_fwd; the built one stays.
+    assert got["sparse_prefill"] == "the built kernel ran"
 
 
 def test_nothing_is_installed_without_the_switch(tmp_path: Path):
     got = _probe(_site(tmp_path), dsa=False)
-    assert got == {"deep_gemm": False, "flashmla_sparse": False, "cache_op": "absent"}
+    assert got == {"deep_gemm": False, "sparse_decode": False, "sparse_prefill": "absent"}
