@@ -114,7 +114,7 @@ FA3_DEFS = ["FLASHATTENTION_DISABLE_FP16", "FLASHATTENTION_DISABLE_FP8",
 # instantiations for a head dim of 64 (value dim 64, or 65-256: 64_256). No
 # model or drafter here has those shapes (MLA's value dim is 512, the published
 # drafters' heads are 128 wide; the GPU suite's tiny drafters have 128 under the
-# production profile for this reason), and the 8 files took 1,225 of the 5,024
+# production profile for this reason), and the 8 files took 1,226 of the 5,024
 # CPU-s of H200 call 23. Each such specialisation is instead defined in one
 # generated file that raises, by shape, when called; the declarations are read
 # from upstream's own instantiation files, so they are exactly the symbols
