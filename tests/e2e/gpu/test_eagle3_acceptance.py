@@ -19,15 +19,21 @@ torch.compile + CUDA graphs, vLLM's own backend choice):
    least 3.0 at batch 1, 8 and 32, within 5% of the same weights served in
    eager mode, with greedy output equal to plain decoding (the trained
    target's logit margins are far above bf16 noise);
-4. control: the same drafter with aux ids (0, 2, 5) must accept clearly less.
+4. control: the same drafter fed the target's first layers only, aux ids
+   (0, 1, 2), must accept far less, so the 4.00 above rests on the deep states
+   the engine hands over, not on the drafter's own token attention. The ids
+   shifted by one, (0, 2, 5), are served and recorded too.
 
 The same run is what ``device_run.sh bench-prod`` does on the H200 harness
 (results: tools/gpu_harness/results/2026-12-01_h200_bench_eagle3_production.json:
-4.00 / 4.00 / 3.97, eager 4.00, ids (0, 2, 5) 3.56). On the 6-layer tiny
-target neighbouring layers carry the same previous-token information, so
-the shifted ids lose only about a tenth of the acceptance, not half; the
-control bound below is what was measured to hold, not the issue's "half".
-Takes about 7 minutes on one GPU.
+4.00 / 4.00 / 3.97, eager 4.00, ids (0, 2, 5) 3.56). The shift by one is not
+what this test asserts: on the 6-layer tiny target the inputs of layers 5
+and 6 carry nearly the same information, and a drafter with heads 128 wide,
+the published drafters' width, lost only 0.07 to it (3.93 of 4.00, H200 call
+36; 3.92 in a CPU replay of the same pair, which gave 2.04 with (0, 1, 2):
+tools/gpu_harness/results/2026-12-02_cpu_replay_acceptance_controls.json).
+That the engine's ids are the target's layer inputs exactly, the off-by-one
+itself, is proven on CPU (tests/e2e/cpu). Takes about 8 minutes on one GPU.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 MIN_ACCEPTANCE = 3.0
 EAGER_TOLERANCE = 0.05
-CONTROL_MIN_DROP = 0.2
+# The CPU replay of call 36's pair: 4.00 with (1, 3, 6), 2.04 with (0, 1, 2).
+CONTROL_MIN_DROP = 1.0
 
 
 def _bench():
@@ -73,6 +80,7 @@ def test_eagle3_acceptance_in_production(tmp_path, results_dir, monkeypatch):
         eager_mal = eager[f"batch{b}"]["mean_acceptance_length"]
         assert abs(prod_mal - eager_mal) <= EAGER_TOLERANCE * eager_mal, (b, prod_mal, eager_mal)
 
-    shifted = r["eagle3_shifted_aux_ids"]["batch8"]["mean_acceptance_length"]
+    assert r["eagle3_shifted_aux_ids"]["batch8"]["num_drafts"] > 0, r["eagle3_shifted_aux_ids"]
+    early = r["eagle3_early_aux_ids"]["batch8"]["mean_acceptance_length"]
     right = trained["batch8"]["mean_acceptance_length"]
-    assert shifted <= right - CONTROL_MIN_DROP, (shifted, right)
+    assert early <= right - CONTROL_MIN_DROP, (early, right)
