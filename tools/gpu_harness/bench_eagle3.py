@@ -455,10 +455,12 @@ def _summary(m):
 
 
 def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_drafter: bool = True,
-            kind: str = "deepseek-v3", batches=None):
+            kind: str = "deepseek-v3", batches=None, early_control: bool = True):
     """The whole benchmark in the active profile (EAGLE3_GPU_PROFILE). Every
     stage is recorded in DIR/bench_eagle3.json as soon as it ends; a failing
-    stage is recorded with its error and the stages that need it are skipped."""
+    stage is recorded with its error and the stages that need it are skipped.
+    ``early_control`` serves the drafter fed EARLY_AUX_IDS too (one more
+    engine start)."""
     import traceback
 
     h.configure_env()
@@ -582,9 +584,10 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
     got = stage("eagle3_shifted_aux_ids", lambda: bench_engine(target, shifted, eval_prompts, batches=(8,)))
     if got is not None:
         results["eagle3_shifted_aux_ids"] = {"aux_layer_ids": list(SHIFTED_AUX_IDS), **got[0]}
-    got = stage("eagle3_early_aux_ids", lambda: bench_engine(target, early, eval_prompts, batches=(8,)))
-    if got is not None:
-        results["eagle3_early_aux_ids"] = {"aux_layer_ids": list(EARLY_AUX_IDS), **got[0]}
+    if early_control:
+        got = stage("eagle3_early_aux_ids", lambda: bench_engine(target, early, eval_prompts, batches=(8,)))
+        if got is not None:
+            results["eagle3_early_aux_ids"] = {"aux_layer_ids": list(EARLY_AUX_IDS), **got[0]}
 
     if prof == "production":
         os.environ["EAGLE3_GPU_PROFILE"] = "eager"

@@ -69,7 +69,9 @@ def test_dsa_acceptance_of_a_trained_drafter(kind, tmp_path, results_dir):
     out.mkdir(parents=True, exist_ok=True)
     # Prompt (8-24) + continuation <= index_topk (128): the dense-trained target serves as trained.
     bench.GEN_TOKENS = 96
-    bench.run_all(out, tmp_path / "work", steps=1500, target_steps=400, kind=kind)
+    # No early-ids control: nothing here asserts on it, and each DSA stage of
+    # device_run.sh runs both tests of a target in 540 s (about 505 s in call 36).
+    bench.run_all(out, tmp_path / "work", steps=1500, target_steps=400, kind=kind, early_control=False)
     r = json.loads((out / "bench_eagle3.json").read_text())
     assert not r.get("errors"), r.get("errors")
     assert r["target_training"]["final_rule_accuracy"] >= 0.99
