@@ -5,7 +5,7 @@
 # environments under build/venvs (tools/testenv.py), then runs four stages,
 # each reported by pytest itself (JUnit XML and a log in build/reports):
 #   1. the GPU harness's CPU tests (tests/e2e/gpu: the DSA stand-ins for the
-#      two kernels with no obtainable source, their start-up hook, the
+#      two kernels the harness does not build, their start-up hook, the
 #      projection and the step profile; the tests that need a GPU are
 #      collected and reported as skipped);
 #   2. vLLM v0.16.0's own tests from the sdist, patched vs stock: no failure

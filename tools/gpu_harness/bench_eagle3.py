@@ -558,7 +558,7 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
     tr["predicted_acceptance_length"] = predicted_acceptance_length(tr["kept_val_acc"])
     results["training"] = tr
     shifted = _write_shifted(trained, work / "drafter_shifted", SHIFTED_AUX_IDS)
-    early = _write_shifted(trained, work / "drafter_early", EARLY_AUX_IDS)
+    early = _write_shifted(trained, work / "drafter_early", EARLY_AUX_IDS) if early_control else None
     # The weights, for later calls (compile cache, server): a few MB.
     import tarfile
     with tarfile.open(out_dir / "artifacts.tar.gz", "w:gz") as tf:

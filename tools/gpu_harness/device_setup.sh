@@ -27,7 +27,8 @@ if [[ -f $KERNELS && $KERNELS == *.tar.xz ]]; then
 fi
 [[ -f $KERNELS/kernels.json ]] || { echo "KERNELS=$KERNELS holds no kernels.json: run kernels.py build" >&2; exit 1; }
 cp -r "$KERNELS/vllm/." "$SITE/vllm/"
-# FlashMLA sparse and DeepGEMM have no obtainable pinned source (docs/gpu-dsa.md):
+# FlashMLA sparse (no obtainable pinned source) and DeepGEMM (not built yet) are
+# not in kernels.py's build (docs/gpu-dsa.md):
 # with EAGLE3_HARNESS_DSA=1 their stand-ins go into every Python process,
 # after the built vllm._C has registered its ops (a built op always wins).
 cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Torch stand-ins for the DSA kernels that have no obtainable pinned source.
+"""Torch stand-ins for the two DSA kernels the harness does not build.
 
 GLM-5 and DeepSeek-V3.2 run DeepSeek Sparse Attention (DSA) through
-FLASHMLA_SPARSE. Two of the kernels on that path cannot be built here:
+FLASHMLA_SPARSE. Two of the kernels on that path are not built here:
 FlashMLA's sparse kernels (``_flashmla_C``; vLLM v0.16.0 pins FlashMLA at
-c2afa9cb, which is not among the stored snapshots) and DeepGEMM's indexer
-logits (``deep_gemm``, likewise). This module stands in for those two, and
+c2afa9cb, which is not among the stored snapshots: no obtainable source) and
+DeepGEMM's indexer logits (``deep_gemm``; its pin, 477618cd in v0.16.0's
+tools/install_deepgemm.sh, is obtainable but not built yet, docs/gpu-dsa.md).
+This module stands in for those two, and
 for nothing else: every vLLM ``_C`` / ``_C_cache_ops`` op the DSA path calls
 (the indexer's fp8 quantization, its K cache, top-k per row, the MLA cache
 write and gather) is built from the pinned sources by

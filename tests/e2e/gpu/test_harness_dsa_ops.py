@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Each stand-in of tools/gpu_harness/dsa_ops.py computes what its kernel computes.
 
-They stand in for the two DSA kernels with no obtainable pinned source, FlashMLA's sparse
-attention and DeepGEMM's indexer logits; vLLM's own DSA ops are built (kernels.py).
+They stand in for the two DSA kernels the harness does not build, FlashMLA's sparse
+attention (no obtainable pinned source) and DeepGEMM's indexer logits (its pin is
+obtainable, not built yet); vLLM's own DSA ops are built (kernels.py).
 References: float64 Python loops from the kernels' sources (layouts and formulas quoted in
 dsa_ops.py), rounded to float32 or bf16 where the kernel does; the fp8 MLA cache decoded
 by a literal e4m3 decoder. Not marked ``gpu``: CPU in CI, CUDA when present."""
