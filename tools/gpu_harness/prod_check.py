@@ -23,7 +23,8 @@ engine start (and with what message) and which fail after starting.
 
 ``server`` starts ``python -m vllm.entrypoints.openai.api_server`` with the
 DeepSeek-V3 target and the Llama drafter (``--kimi``: Kimi-K2.5 and the MLA
-drafter), sends concurrent completions with
+drafter; ``--kimi llama``: Kimi-K2.5 and the Llama drafter) on a free port,
+sends concurrent completions with
 the ``openai`` client, and reads ``/metrics``.
 
 The random tiny weights make acceptance low here; acceptance as proof is
@@ -147,8 +148,14 @@ def backends(out: Path, work: Path) -> None:
     rows = []
     # EAGLE3_BACKENDS narrows the matrix so that it fits several device calls.
     chosen = [b for b in os.environ.get("EAGLE3_BACKENDS", ",".join(MLA_BACKENDS)).split(",") if b]
+    # EAGLE3_BACKEND_DRAFTERS (e.g. "llama_drafter") narrows the drafters;
+    # "plain" names the run without one.
+    drafters = [None, "llama_drafter", "mla_drafter_kimi_k2"]
+    if os.environ.get("EAGLE3_BACKEND_DRAFTERS"):
+        names = os.environ["EAGLE3_BACKEND_DRAFTERS"].split(",")
+        drafters = [d for d in drafters if (d or "plain") in names]
     for backend in chosen:
-        for dname in (None, "llama_drafter", "mla_drafter_kimi_k2"):
+        for dname in drafters:
             rec = _run(f"deepseek_v3/{backend}/{dname or 'plain'}", m["deepseek_v3"], prompts,
                        drafter=m[dname] if dname else None, attention_backend=backend)
             rows.append({"backend": backend, "drafter": dname, "outcome": outcome(rec),
@@ -158,19 +165,30 @@ def backends(out: Path, work: Path) -> None:
     (out / f"prod_backends_{'_'.join(chosen)}.json").write_text(json.dumps({"profile": h.profile(), "rows": rows}, indent=1))
 
 
-def server(out: Path, work: Path, port: int = 8011, target: Path | None = None,
-           drafter: Path | None = None, kimi: bool = False) -> None:
+def _free_port() -> int:
+    # Several server stages share one device call (device_parallel.sh).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server(out: Path, work: Path, port: int | None = None, target: Path | None = None,
+           drafter: Path | None = None, kimi: str | None = None) -> None:
     """With --target/--drafter (e.g. bench_eagle3.py's trained pair) the
     prompts are token ids of the bench's skip-rule language, so /metrics
     shows the acceptance the trained drafter reaches through the server."""
     h.configure_env()
+    port = port or _free_port()
     rule_prompts = target is not None
     extra_args: list[str] = []
     if target is None:
         m = write_models(work)
         target, drafter = m["deepseek_v3"], m["llama_drafter"]
         if kimi:
-            target, drafter = m["kimi_k25"], m["mla_drafter_kimi_k2"]
+            target = m["kimi_k25"]
+            drafter = m["llama_drafter" if kimi == "llama" else "mla_drafter_kimi_k2"]
             extra_args = ["--limit-mm-per-prompt", json.dumps(KIMI_EXTRA["limit_mm_per_prompt"])]
     if os.environ.get("EAGLE3_GPU_KV_BYTES"):
         extra_args += ["--kv-cache-memory-bytes", os.environ["EAGLE3_GPU_KV_BYTES"]]
@@ -246,7 +264,7 @@ def server(out: Path, work: Path, port: int = 8011, target: Path | None = None,
             proc.kill()
         log.close()
     print("SERVER", json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
-    (out / f"prod_server{'_kimi_k25' if kimi else ''}.json").write_text(json.dumps(rec, indent=1))
+    (out / f"prod_server{'_kimi_k25_' + kimi if kimi else ''}.json").write_text(json.dumps(rec, indent=1))
 
 
 def main(argv=None):
@@ -257,7 +275,8 @@ def main(argv=None):
     ap.add_argument("--only", choices=["deepseek_v3", "kimi_k25"], help="offline: one target")
     ap.add_argument("--target", type=Path, help="server: target checkpoint (default: tiny random)")
     ap.add_argument("--drafter", type=Path, help="server: EAGLE-3 drafter for --target")
-    ap.add_argument("--kimi", action="store_true", help="server: Kimi-K2.5 with the MLA drafter")
+    ap.add_argument("--kimi", nargs="?", const="mla", choices=["mla", "llama"],
+                    help="server: Kimi-K2.5 with the MLA drafter (or the Llama one)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
