@@ -590,6 +590,153 @@ def write_eagle3_mla_drafter(
                           lambda w, a, in_f: _write_mla(w, cfg, a, in_f))
 
 
+
+# ---------------------------------------------------------------------------
+# Kimi-K2.5 INT4: the routed experts in compressed-tensors W4A16
+# ---------------------------------------------------------------------------
+
+# Routed experts only: the published quantization_config's `ignore` keeps
+# attention, shared experts and the dense MLP in 16 bits, and the router gate
+# is built unquantized by vLLM (deepseek_v2.py, quant_config=None).
+_EXPERT_WEIGHT = ".mlp.experts."
+_KIMI_TEXT_PREFIX = "language_model."
+
+
+def _weight_args(quantization_config: dict[str, Any]):
+    """The one weight scheme of a compressed-tensors config, as its library
+    reads it (compressed_tensors is imported only here: the GPU harness and
+    the CPU venv both have it, as a vLLM requirement)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if quantization_config.get("format") != "pack-quantized":
+        raise ValueError(f"format {quantization_config.get('format')!r}: only pack-quantized is written")
+    groups = quantization_config["config_groups"]
+    if len(groups) != 1:
+        raise ValueError(f"{len(groups)} config groups: one weight scheme expected")
+    return QuantizationArgs(**next(iter(groups.values()))["weights"])
+
+
+def quantize_w4a16(weight: torch.Tensor, quantization_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One [out, in] weight rounded to the config's int grid (min-max scale
+    per group, as its `observer: minmax` does) and packed by compressed_tensors'
+    own compressor: {weight_packed, weight_scale, weight_shape}, the tensors
+    vLLM's compressed-tensors loader reads (suffixes of the HF name's
+    ``.weight`` stem)."""
+    from compressed_tensors.compressors.quantized_compressors.pack_quantized import (
+        PackedQuantizationCompressor,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = _weight_args(quantization_config)
+    w = weight.to(torch.float32)
+    out_f, in_f = w.shape
+    g = args.group_size
+    if in_f % g:
+        raise ValueError(f"input width {in_f} is not a multiple of group_size {g}")
+    grouped = w.view(out_f, in_f // g, g)
+    scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+    # The scale is stored in the checkpoint's 16-bit dtype; quantize with the
+    # stored value so that dequantizing the file gives back what was rounded.
+    scale = scale.to(torch.bfloat16)
+    comp = PackedQuantizationCompressor(config=None).compress_weight(
+        w, scale.to(torch.float32), args, zero_point=zp if not args.symmetric else None)
+    return {"weight_packed": comp["weight_packed"], "weight_scale": scale,
+            "weight_shape": comp["weight_shape"].to(torch.int64)}
+
+
+def dequantize_w4a16(tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any]) -> torch.Tensor:
+    """compressed_tensors' own decompression of one packed weight (float32)."""
+    from compressed_tensors.compressors.quantized_compressors.pack_quantized import (
+        PackedQuantizationCompressor,
+    )
+
+    args = _weight_args(quantization_config)
+    data = {k: v.to(torch.float32) if k == "weight_scale" else v for k, v in tensors.items()}
+    return PackedQuantizationCompressor(config=None).decompress_weight(data, args).to(torch.float32)
+
+
+def kimi_text_view(kimi: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """The text model of a kimi-k25 checkpoint as a DeepSeek-V3 checkpoint
+    (what transformers 4.57 and the bench's training read): its text_config
+    at the top level, ``language_model.`` stripped, the vision weights left
+    out, the tokenizer copied. Packed experts are dequantized through
+    compressed_tensors, so the view of an INT4 checkpoint is the independent
+    reference of what it serves."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src, dst = Path(kimi), Path(out)
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    text = dict(cfg["text_config"], architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    q = text.pop("quantization_config", None)
+    text["torch_dtype"] = "float32" if q else text.get("torch_dtype", "float32")
+    weights = load_file(str(src / "model.safetensors"))
+    view: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if not name.startswith(_KIMI_TEXT_PREFIX):
+            continue
+        name = name[len(_KIMI_TEXT_PREFIX):]
+        if name.endswith(".weight_packed"):
+            stem = name[: -len("_packed")]
+            parts = {k: weights[f"{_KIMI_TEXT_PREFIX}{stem}_{k.split('_', 1)[1]}"]
+                     for k in ("weight_packed", "weight_scale", "weight_shape")}
+            view[stem] = dequantize_w4a16(parts, q)
+        elif not name.endswith((".weight_scale", ".weight_shape")):
+            view[name] = t.to(torch.float32) if q else t
+    save_file({k: v.contiguous() for k, v in view.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    _write_json(dst / "config.json", text)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(src / f, dst / f)
+    return dst
+
+
+def write_kimi_k25_int4(
+    kimi: str | os.PathLike[str], out: str | os.PathLike[str], quantization_config: dict[str, Any],
+    text_weights: str | os.PathLike[str] | None = None,
+) -> Written:
+    """The kimi-k25 checkpoint ``kimi`` as an INT4 release: every routed
+    expert's projections packed W4A16 by ``quantization_config`` (pass the
+    published one, verbatim), which goes where Kimi-K2.5 keeps it, inside
+    ``text_config``. ``text_weights``: a DeepSeek-V3 checkpoint
+    (kimi_text_view, then trained) whose weights replace the text model's."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src, dst = Path(kimi), Path(out)
+    dst.mkdir(parents=True, exist_ok=True)
+    weights = load_file(str(src / "model.safetensors"))
+    if text_weights is not None:
+        for name, t in load_file(str(Path(text_weights) / "model.safetensors")).items():
+            full = _KIMI_TEXT_PREFIX + name
+            if full not in weights:
+                raise KeyError(f"{text_weights}: {name} is not a tensor of {kimi}'s text model")
+            weights[full] = t.to(weights[full].dtype)
+    packed: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if _EXPERT_WEIGHT in name and name.endswith("_proj.weight"):
+            stem = name[: -len(".weight")]
+            for k, v in quantize_w4a16(t, quantization_config).items():
+                packed[f"{stem}.{k}"] = v
+        else:
+            packed[name] = t
+    if not any(k.endswith(".weight_packed") for k in packed):
+        raise ValueError(f"{kimi}: no routed expert to quantize")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["quantization_config"] = quantization_config
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    _write_json(dst / "config.json", cfg)
+    save_file({k: v.contiguous() for k, v in packed.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    return Written("kimi-k25-int4", dst, sorted(f.name for f in dst.iterdir()),
+                   sum(v.numel() for v in packed.values()), cfg)
+
+
 WRITERS: dict[str, Callable[..., Written]] = {
     "deepseek-v3": write_deepseek_v3,
     "kimi-k25": write_kimi_k25,

@@ -54,6 +54,9 @@ RULE_SEED = 7
 RULE_NOISE = 0.15
 TARGET_SEQ_LEN = 96
 DSA_KINDS = {"glm5": 32, "deepseek-v32": 64}  # index heads of the published configs
+# Kimi-K2.5 with its routed experts in W4A16 (Marlin MoE), quantized after
+# training with the published quantization_config (int4_check.py).
+INT4_KIND = "kimi-k25-int4"
 
 
 def skip_rule(seed: int = RULE_SEED) -> list[int]:
@@ -161,6 +164,9 @@ def dense_view(target: Path) -> Path:
 def _llm(model, drafter=None, **extra):
     from vllm import LLM
 
+    if json.loads((Path(model) / "config.json").read_text()).get("model_type") == "kimi_k25":
+        # Text only, as test_eagle3_e2e.py serves Kimi-K2.5: no vision_chunk items.
+        extra.setdefault("limit_mm_per_prompt", {"vision_chunk": 0})
     return LLM(**h.engine_kwargs(model, drafter, num_spec_tokens=K, max_num_seqs=64, **extra))
 
 
@@ -376,7 +382,9 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
     n_val = max(8, len(keep) // 8)
     cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
     weights = load_file(str(Path(drafter_dir) / "model.safetensors"))
-    embed = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    tw = load_file(str(Path(target_dir) / "model.safetensors"))
+    # Kimi-K2.5 keeps its text model under language_model.
+    embed = tw.get("model.embed_tokens.weight", tw.get("language_model.model.embed_tokens.weight"))
     d = Drafter(cfg, weights, embed, device)
     opt_step = _optimizer(d.params(), 2e-3, steps)
     log = []
@@ -470,6 +478,10 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
     ckw = h.checkpoint_kwargs()
     dkw = {"dtype": ckw["dtype"]} if ckw else {}
     target = work / kind.replace("-", "_")
+    # What the target training trains (a DeepSeek-V3 checkpoint): the target
+    # itself, or for Kimi-K2.5 INT4 the text model of its bf16 original, which
+    # is quantized after training, as a release is.
+    train_dir = target
     rnd = work / "drafter_random"
     trained = work / "drafter_trained"
     if kind in DSA_KINDS:
@@ -478,12 +490,17 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
         # --gen-tokens 96 or less, so the dense-trained target serves as
         # trained (dsa_check.py covers top-k below the length).
         ckw = {**ckw, "index_head_dim": 128, "index_topk": 128, "index_n_heads": DSA_KINDS[kind]}
-    tiny.write_checkpoint(kind, target, seed=0, **ckw)
+    if kind == INT4_KIND:
+        bf16 = work / "kimi_k25_bf16"
+        tiny.write_checkpoint("kimi-k25", bf16, seed=0, **ckw)
+        train_dir = tiny.kimi_text_view(bf16, work / "kimi_k25_text")
+    else:
+        tiny.write_checkpoint(kind, target, seed=0, **ckw)
     tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, draft_vocab_size=tiny.VOCAB_SIZE,
                           **h.drafter_shape(), **dkw)
     batches = batches or (PROD_BATCHES if prof != "smoke" else BENCH_BATCHES)
     results = {"k": K, "gen_tokens": GEN_TOKENS, "profile": prof, "batches": list(batches), "kind": kind,
-               "target": json.loads((target / "config.json").read_text()),
+               "target": json.loads(((target if kind != INT4_KIND else bf16) / "config.json").read_text()),
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
     out_json = out_dir / "bench_eagle3.json"
 
@@ -508,7 +525,7 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
             save()
 
     def train_tgt():
-        r = subprocess.run([sys.executable, __file__, "train-target", "--target", str(target),
+        r = subprocess.run([sys.executable, __file__, "train-target", "--target", str(train_dir),
                             "--steps", str(target_steps), "--out", str(work / "target_training.json")],
                            capture_output=True, text=True)
         (work / "target_training.log").write_text(r.stdout + r.stderr)
@@ -519,6 +536,13 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
     results["target_training"] = stage("target_training", train_tgt)
     if results["target_training"] is None:
         return
+    if kind == INT4_KIND:
+        from int4_check import published_quantization_config
+
+        q = published_quantization_config()
+        tiny.write_kimi_k25_int4(bf16, target, q, text_weights=train_dir)
+        results["target"] = json.loads((target / "config.json").read_text())
+        results["quantization_config_source"] = "published Kimi-K2.5 config.json (int4_check.PUBLISHED_KIMI)"
 
     eval_prompts = _prompts(max(8, max(batches)), seed=1000)
     train_prompts = _prompts(N_TRAIN, seed=1)
@@ -871,7 +895,8 @@ def main(argv=None):
     a.add_argument("--profile", choices=h.PROFILES, default=None,
                    help="engine settings (gpu_e2e_helpers.py); default: $EAGLE3_GPU_PROFILE or smoke")
     a.add_argument("--no-random-drafter", action="store_true", help="skip the random-drafter run")
-    a.add_argument("--kind", choices=("deepseek-v3", *DSA_KINDS), default="deepseek-v3", help="target")
+    a.add_argument("--kind", choices=("deepseek-v3", *DSA_KINDS, INT4_KIND), default="deepseek-v3",
+                   help="target")
     a.add_argument("--gen-tokens", type=int, default=GEN_TOKENS, help="tokens generated per prompt")
     a.add_argument("--batches", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
                    help="batch sizes to measure, e.g. 1,8 (default: the profile's)")

@@ -22,6 +22,10 @@
 #          dsa-aux-glm5, dsa-acceptance-v32, ... run one of the two tests
 #          (the rest of the name becomes pytest's -k, "-" read as "and")
 #   server-kimi  the server stage with Kimi-K2.5 and the MLA drafter
+#   server-kimi-llama  the same with the Llama drafter
+#   int4   tests/e2e/gpu/test_eagle3_int4.py: Kimi-K2.5 INT4 (Marlin MoE) aux
+#          states, speculators' generator, acceptance; int4-aux and
+#          int4-acceptance run one of the two tests
 #   speed  bench_eagle3.py speed: plain vs EAGLE-3 decode tok/s, interleaved
 #          repeats (needs bench-prod's artifacts.tar.gz, or SPEED_ARTIFACTS)
 #   profile  bench_eagle3.py profile: torch-profiler breakdown of one plain and
@@ -29,7 +33,8 @@
 #   project  project.py run: per-rank DeepSeek-V3 (TP = 8) step times at a
 #          few layer counts, for the 61-layer projection
 #   backends  prod_check.py backends: the target forced to each MLA backend,
-#          plain and with each drafter (served / refused at start / failed)
+#          plain and with each drafter (served / refused at start / failed);
+#          backends-A,B runs only backends A and B (EAGLE3_BACKENDS)
 #   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
 #          (without this stage, KERNELS=DIR or KERNELS=kernels-libs.tar.xz names
 #          an earlier build; setup refuses to run without one)
@@ -91,9 +96,12 @@ for s in $STAGES; do
     acceptance) stage acceptance ${E2E_LIMIT_S:-540} "$OUT/acceptance.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_acceptance.py ;;
     e2e-rest) stage e2e-rest 330 "$OUT/e2e_rest.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_e2e.py --deselect tests/e2e/gpu/test_eagle3_acceptance.py ;;
     bench) stage bench ${BENCH_LIMIT_S:-540} "$OUT/bench.log" python3 tools/gpu_harness/bench_eagle3.py all --out "$OUT/bench" ;;
-    prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" ${PROD_ARGS:-} ;;
-    server) stage server ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --out "$OUT/prod" ${SERVER_ARGS:-} ;;
-    server-kimi) stage server-kimi ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --kimi --out "$OUT/prod" ;;
+    # Each prod_check stage writes its checkpoints to a work dir of its own:
+    # device_parallel.sh runs several at once.
+    prod) stage prod ${PROD_LIMIT_S:-330} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py offline --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ${PROD_ARGS:-} ;;
+    server) stage server ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ${SERVER_ARGS:-} ;;
+    server-kimi) stage server-kimi ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --kimi --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ;;
+    server-kimi-llama) stage server-kimi-llama ${SERVER_LIMIT_S:-200} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py server --kimi llama --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ;;
     control) stage control ${CONTROL_LIMIT_S:-90} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py control --out "$OUT/prod" ${CONTROL_ARGS:-} ;;
     cache-nopatch)
       # vLLM's tree with one file replaced by its state without the compile-cache
@@ -111,6 +119,12 @@ for s in $STAGES; do
       # warm-up is for fp8 GEMMs, which these bf16 models have none of.
       stage "$s" ${DSA_LIMIT_S:-540} "$OUT/$s.log" env EAGLE3_HARNESS_DSA=1 VLLM_DEEP_GEMM_WARMUP=skip \
         python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "$(k=${s#dsa-}; echo "${k//-/ and }")" ${DSA_PYTEST_ARGS:-} ;;
+    int4|int4-*)
+      # Kimi-K2.5 INT4 through Marlin MoE (tests/e2e/gpu/test_eagle3_int4.py);
+      # int4-aux, int4-acceptance run one of its two tests.
+      k=(); [[ $s == int4-* ]] && k=(-k "${s#int4-}")
+      stage "$s" ${INT4_LIMIT_S:-540} "$OUT/$s.log" python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu \
+        tests/e2e/gpu/test_eagle3_int4.py "${k[@]}" ;;
     speed)
       # The trained pair of an earlier bench-prod stage in this call (or SPEED_ARTIFACTS).
       rm -rf /tmp/speed-art && mkdir -p /tmp/speed-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/speed-art \
@@ -122,13 +136,16 @@ for s in $STAGES; do
              --artifacts /tmp/profile-art --out "$OUT/profile" ${PROFILE_ARGS:-} ;;
     project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
                --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
-    backends) stage backends ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" python3 tools/gpu_harness/prod_check.py backends --out "$OUT/prod" ;;
+    backends|backends-*)
+      b=${s#backends}; b=${b#-}
+      stage "$s" ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" env ${b:+EAGLE3_BACKENDS=$b} \
+        python3 tools/gpu_harness/prod_check.py backends --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ;;
     kernels) ;;  # built above, before setup
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.log"
-for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^MATRIX|^CACHE|^CONTROL|^DSA|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
+for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log "$OUT"/int4*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^MATRIX|^CACHE|^CONTROL|^DSA|^INT4|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/profile.log ]] && { echo "== profile"; grep -E "^PROFILE|Error" "$OUT/profile.log" | cut -c1-1500 | tail -4; }
 [[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }

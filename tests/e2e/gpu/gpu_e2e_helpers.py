@@ -250,8 +250,16 @@ def _worker_facts(worker) -> dict[str, Any]:
             for name in g.layer_names:
                 backends["drafter" if name in draft_layers else "target"].add(g.backend.get_name())
     disp = getattr(drafter, "cudagraph_dispatcher", None)
+    try:  # which MoE kernels serve the experts (Marlin for an INT4 release)
+        from vllm.model_executor.layers.fused_moe import FusedMoE
+
+        moe = sorted({type(m.quant_method).__name__ for m in mr.get_model().modules()
+                      if isinstance(m, FusedMoE)})
+    except Exception as e:  # noqa: BLE001 - a fact, not a check
+        moe = [f"unknown ({type(e).__name__}: {e})"]
     return {
         "attention_backends": {k: sorted(v) for k, v in backends.items()},
+        "moe_quant_methods": moe,
         "cudagraph_mode": str(mr.compilation_config.cudagraph_mode),
         "target_dispatcher_mode": str(getattr(mr.cudagraph_dispatcher, "cudagraph_mode", None)),
         "drafter_dispatcher_mode": None if disp is None else str(disp.cudagraph_mode),
