@@ -4,9 +4,11 @@
 (published_configs/, verbatim; PROVENANCE.md gives repository, path and
 commit): what vLLM makes of each, i.e. that SpeculativeConfig accepts it, its
 drafter class, vocabulary, hidden size, and the aux ids vLLM captures (in
-vLLM's numbering) and from which field. No verbatim Kimi-K2/K2.5 target
-config.json could be found in a citable source, so the Kimi drafters get a
-KimiK25Config target written here with the published geometry.
+vLLM's numbering) and from which field. The targets are published files too:
+DeepSeek-R1-0528's config.json and moonshotai/Kimi-K2.5's (the INT4 release,
+vendored in ai-dynamo/aiconfigurator). No verbatim Kimi-K2 target config was
+found, so the Kimi-K2 drafter is checked against Kimi-K2.5, whose text model
+is Kimi-K2's architecture (DeepseekV3ForCausalLM, model_type kimi_k2).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vllm.model_executor.models.registry import ModelRegistry
 
 CONFIGS = Path(__file__).parent / "published_configs"
 DEEPSEEK_R1 = CONFIGS / "deepseek-r1-0528-target-ttmetal"
+KIMI_K25 = CONFIGS / "moonshotai-kimi-k25-target"
 NESTED = "eagle_config.eagle_aux_hidden_state_layer_ids"
 DEFAULT = "target default"
 
@@ -42,32 +45,13 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory) -> dict[str, ModelConfig]:
-    mla_drafter = json.loads(
-        (CONFIGS / "torchspec-kimi-k25-eagle3-mla" / "config.json").read_text()
-    )
-    text = json.loads((DEEPSEEK_R1 / "config.json").read_text())
-    del text["quantization_config"]
-    # Kimi-K2.5's text geometry (the attention fields as its MLA drafter has
-    # them) around DeepSeek-V3's layer structure.
-    for field in (
-        "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
-        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
-        "rope_theta", "rope_scaling", "rms_norm_eps",
-    ):
-        text[field] = mla_drafter[field]
-    text.update(n_routed_experts=384, n_group=1, topk_group=1)
-    kimi = tmp_path_factory.mktemp("kimi_k25_target")
-    (kimi / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-        "media_placeholder_token_id": 163605, "text_config": text,
-    }))
+def targets() -> dict[str, ModelConfig]:
     return {
         name: ModelConfig(
             model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
             dtype="bfloat16", trust_remote_code=False,
         )
-        for name, path in (("deepseek", DEEPSEEK_R1), ("kimi", kimi))
+        for name, path in (("deepseek", DEEPSEEK_R1), ("kimi", KIMI_K25))
     }
 
 
@@ -76,7 +60,25 @@ def test_the_deepseek_target_is_the_published_file(targets):
     assert text.model_type == "deepseek_v3"
     assert (text.num_hidden_layers, text.hidden_size) == (61, 7168)
     assert targets["deepseek"].quantization == "fp8"
-    assert targets["kimi"].hf_config.model_type == "kimi_k25"
+
+
+def test_the_kimi_target_is_the_published_file(targets):
+    kimi = targets["kimi"]
+    published = json.loads((KIMI_K25 / "config.json").read_text())
+    # vLLM's own KimiK25Config, not the auto_map's remote code.
+    assert type(kimi.hf_config).__name__ == "KimiK25Config"
+    assert kimi.hf_config.model_type == "kimi_k25"
+    assert kimi.architectures == ["KimiK25ForConditionalGeneration"]
+    text = kimi.hf_text_config
+    assert text.model_type == "kimi_k2" and kimi.use_mla
+    assert (
+        text.num_hidden_layers, text.hidden_size, text.n_routed_experts,
+        text.moe_intermediate_size, text.first_k_dense_replace,
+        text.num_attention_heads, text.kv_lora_rank, text.q_lora_rank, text.vocab_size,
+    ) == (61, 7168, 384, 2048, 1, 64, 512, 1536, 163840)
+    # INT4 routed experts, as released: the text_config's quantization_config.
+    assert kimi.quantization == "compressed-tensors"
+    assert text.quantization_config == published["text_config"]["quantization_config"]
 
 
 @pytest.mark.parametrize("drafter", sorted(EXPECTED))
@@ -92,6 +94,15 @@ def test_published_drafter(targets, drafter):
     hf = draft.hf_config
     assert getattr(hf, "draft_vocab_size", None) == draft_vocab
     assert hf.hidden_size == 7168 == targets[target].get_hidden_size()
+    if cls_name == MLA:
+        # Its draft layer joins the target's MLA KV cache, so vLLM builds it
+        # only with the target's attention geometry: the published pair has it.
+        text = targets[target].hf_text_config
+        for field in (
+            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+            "num_attention_heads",
+        ):
+            assert getattr(hf, field) == getattr(text, field), field
 
     found = get_eagle3_aux_layer_ids(hf)
     if source == DEFAULT:
