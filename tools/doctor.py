@@ -286,6 +286,24 @@ def eagle_config_forms() -> str:
     return "eagle_config read as a dict or a config object alike"
 
 
+@check("Spec-Decode-Let-the-EAGLE-3-drafter-pick-its-own-att")
+def drafter_attention_backend() -> str:
+    from vllm.config import AttentionConfig, SpeculativeConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.spec_decode.utils import create_vllm_config_for_eagle_drafter
+
+    parse = SpeculativeConfig._parse_attention_backend
+    assert parse("auto") is None and parse("flash_attn") is AttentionBackendEnum.FLASH_ATTN
+    forced = AttentionConfig(backend=AttentionBackendEnum.FLASH_ATTN_MLA)
+    target = SimpleNamespace(attention_config=forced, speculative_config=SimpleNamespace(
+        method="eagle3", attention_backend=None))
+    drafter = create_vllm_config_for_eagle_drafter(target)
+    assert drafter.attention_config.backend is None, drafter.attention_config.backend
+    assert target.attention_config.backend is AttentionBackendEnum.FLASH_ATTN_MLA
+    return ("an eagle3 drafter takes speculative_config.attention_backend (default: auto), "
+            "not --attention-backend")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/doctor.py",
                                  description=__doc__.split("\n\n")[0])
