@@ -32,6 +32,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
 
 ROUTE_GAPS: list[float] = []
+# Per router call, each token's own routing margin (the smaller of its
+# expert and group margins), when a caller sets TOKEN_MARGINS to a list.
+TOKEN_MARGINS: list | None = None
 
 
 def _router_forward(self, hidden_states):
@@ -49,11 +52,18 @@ def _router_forward(self, hidden_states):
     if self.norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     srt = choice.sort(-1, descending=True).values
+    per_token = torch.full((hs.shape[0],), float("inf"), dtype=torch.float64)
     if srt.shape[-1] > self.top_k:
-        ROUTE_GAPS.append((srt[:, self.top_k - 1] - srt[:, self.top_k]).min().item())
+        gap = srt[:, self.top_k - 1] - srt[:, self.top_k]
+        ROUTE_GAPS.append(gap.min().item())
+        per_token = torch.minimum(per_token, gap)
     if self.n_group > self.topk_group:
         gsrt = gs.sort(-1, descending=True).values
-        ROUTE_GAPS.append((gsrt[:, self.topk_group - 1] - gsrt[:, self.topk_group]).min().item())
+        ggap = gsrt[:, self.topk_group - 1] - gsrt[:, self.topk_group]
+        ROUTE_GAPS.append(ggap.min().item())
+        per_token = torch.minimum(per_token, ggap)
+    if TOKEN_MARGINS is not None:
+        TOKEN_MARGINS.append(per_token)
     return ids, w * self.routed_scaling_factor
 
 

@@ -6,8 +6,9 @@
     python tools/gpu_harness/int4_check.py reference VIEW AUX.pt OUT.json
 
 ``all`` writes a tiny Kimi-K2.5 target (the kimi_k25 wrapper, MoonViT tower
-and all; MLA with the published latent geometry, bf16) whose routed experts
-are packed by compressed_tensors with the ``quantization_config`` of the
+and all; MLA with the published latent geometry, bf16), trains its text
+model briefly on the bench's language (``TRAIN_STEPS``), and packs its routed
+experts by compressed_tensors with the ``quantization_config`` of the
 published Kimi-K2.5 config.json, verbatim
 (tests/v1/spec_decode/published_configs/moonshotai-kimi-k25-target,
 PROVENANCE.md), inside ``text_config`` as there. It serves it in production
@@ -19,14 +20,14 @@ states the proposer receives for a 256-token prompt, and then:
    with vLLM's routing, fp64_reference.py) of the text model with the
    experts dequantized by compressed_tensors' own decompressor
    (tiny_checkpoints.kimi_text_view). Each captured state must be nearest the
-   input of its own layer, and its error below a tenth of the gap to the
-   neighbouring layers' inputs, or within 1.5x of an independent bf16 forward
-   of the same dequantized weights (routing near-ties flip at bf16 on a random
-   target, as dsa_check.py found).
+   input of its own layer, with an error (over all tokens, and for the median
+   token) below a tenth of the gap to the neighbouring layers' inputs
+   (``BOUND``). The tokens at a float64 routing near-tie, where bf16 runs
+   may take other experts, are listed with their errors (``ROUTING_TIE``).
 2. ``speculators``: speculators 0.4.0.1's ``VllmHiddenStatesGenerator`` (the
    seeds' tool) on the same INT4 checkpoint with layer ids (0, 2, 5): its
    states (outputs of those layers) must equal the engine's capture with ids
-   (1, 3, 6), within the same bound.
+   (1, 3, 6) within the same bound.
 
 Results: DIR/int4_kimi_k25.json.
 """
@@ -54,6 +55,13 @@ PROMPT_LENGTHS = [5, 40, 256]
 LONG = 2  # the prompt whose states are checked
 MAX_TOKENS = 32
 AUX_IDS = (1, 3, 6)
+# A random tiny target is chaotic at bf16: a routing near-tie at one token
+# spreads through attention to most later tokens by the last layer, so that
+# an independent bf16 forward is itself 34-60 % of the layer gap away from
+# float64 at id 6 (H200 call 41 and the CPU). A little training calms it (150
+# steps on the CPU: 2-3 % at every id), and a trained, then quantized, target
+# is what a release is.
+TRAIN_STEPS = 400
 KIMI_EXTRA = {"limit_mm_per_prompt": {"vision_chunk": 0}}
 MARLIN = "CompressedTensorsWNA16MarlinMoEMethod"
 
@@ -63,13 +71,24 @@ def published_quantization_config() -> dict:
     return json.loads(PUBLISHED_KIMI.read_text())["text_config"]["quantization_config"]
 
 
-def write_models(work: Path) -> dict[str, Path]:
+def write_models(work: Path, train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
+    """The INT4 target (its text model trained ``train_steps`` on the bench's
+    language first, then quantized, as a release is; 0: random weights), its
+    dequantized reference view and a random drafter."""
     tiny = h._tiny()
     kw = h.checkpoint_kwargs() or {"dtype": "bfloat16", **h.MLA_GEOMETRY}
     p = {"bf16": work / "kimi_k25_bf16", "int4": work / "kimi_k25_int4",
          "view": work / "kimi_k25_int4_dequantized", "drafter": work / "drafter"}
     tiny.write_checkpoint("kimi-k25", p["bf16"], seed=7, **kw)
-    tiny.write_kimi_k25_int4(p["bf16"], p["int4"], published_quantization_config())
+    text = None
+    if train_steps:
+        text = tiny.kimi_text_view(p["bf16"], work / "kimi_k25_text")
+        r = subprocess.run([sys.executable, str(Path(__file__).parent / "bench_eagle3.py"), "train-target",
+                            "--target", str(text), "--steps", str(train_steps),
+                            "--out", str(work / "target_training.json")], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"target training failed:\n{(r.stdout + r.stderr)[-4000:]}")
+    tiny.write_kimi_k25_int4(p["bf16"], p["int4"], published_quantization_config(), text_weights=text)
     tiny.kimi_text_view(p["int4"], p["view"])
     tiny.write_checkpoint("eagle3-drafter", p["drafter"], seed=8, dtype=kw["dtype"],
                           aux_layer_ids=AUX_IDS, **h.drafter_shape())
@@ -135,10 +154,12 @@ def speculators_states(target: Path, layer_ids: list[int], prompt: list[int], ou
                 "states": [t.float().cpu() for t in res[0]["hidden_states"]]}, out)
 
 
-def layer_inputs(view: Path, prompt: list[int], dtypes) -> dict:
+def layer_inputs(view: Path, prompt: list[int], dtypes, margins: list | None = None) -> dict:
     """Each layer's input (and the last layer's output), per dtype, in an
     independent forward of the dequantized text model (transformers 4.57,
-    vLLM's routing: fp64_reference.py)."""
+    vLLM's routing: fp64_reference.py). ``margins`` (a list) receives, for
+    the float64 forward, each MoE layer's per-token routing margins, in
+    layer order."""
     import torch
 
     import fp64_reference
@@ -155,10 +176,27 @@ def layer_inputs(view: Path, prompt: list[int], dtypes) -> dict:
     states = {}
     for dt in dtypes:
         inputs.clear()
-        with torch.no_grad():
-            model.to(dt)(torch.tensor([prompt]))
+        fp64_reference.TOKEN_MARGINS = margins if dt == torch.float64 else None
+        try:
+            with torch.no_grad():
+                model.to(dt)(torch.tensor([prompt]))
+        finally:
+            fp64_reference.TOKEN_MARGINS = None
         states[str(dt).split(".")[-1]] = dict(inputs)
     return states
+
+
+# A state is right when it is nearest the reference input of its own layer
+# and its error, over all tokens and for the median token, is under this
+# share of the gap between the reference inputs of layer k and of its
+# neighbours.
+BOUND = 0.1
+# Reported, not asserted: tokens whose float64 routing margin (k-th vs
+# (k+1)-th biased expert score, or group score) is below this at some MoE
+# layer before k may take other experts in any bf16 forward (~1e-3 of bf16
+# noise on sigmoid scores, relative precision 2^-8 and slope at most 1/4,
+# times ten); the largest errors sit on them.
+ROUTING_TIE = 1e-2
 
 
 def reference(view: Path, aux_path: Path, out: Path, spec_path: Path | None = None) -> dict:
@@ -167,34 +205,54 @@ def reference(view: Path, aux_path: Path, out: Path, spec_path: Path | None = No
     cfg = json.loads((view / "config.json").read_text())
     data = torch.load(aux_path)
     prompt, ids, aux = data["prompt"], data["layer_ids"], data["aux"]
-    st = layer_inputs(view, prompt, (torch.float64, torch.bfloat16))
+    margins: list = []
+    st = layer_inputs(view, prompt, (torch.float64, torch.bfloat16), margins)
     ref, bf16 = st["float64"], st["bfloat16"]
+    dense = cfg["first_k_dense_replace"]
+    if len(margins) != cfg["num_hidden_layers"] - dense:
+        raise RuntimeError(f"{len(margins)} routed layers seen, {cfg['num_hidden_layers'] - dense} expected")
+    margin = torch.stack(margins).double()  # [MoE layers, tokens]
     hid = cfg["hidden_size"]
     rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
     med = lambda t: t.pow(2).mean(-1).sqrt().median().item()  # noqa: E731 (per-token rms)
+    tok = lambda t: t.pow(2).mean(-1).sqrt()  # noqa: E731 (per-token rms)
     spec = torch.load(spec_path) if spec_path else None
-    res = {"layer_ids": ids, "prompt_len": len(prompt), "per_id": []}
+    res = {"layer_ids": ids, "prompt_len": len(prompt), "routing_tie": ROUTING_TIE, "bound": BOUND,
+           "per_id": []}
     ok = True
     for j, k in enumerate(ids):
         gap = min(rms(ref[k] - ref[n]) for n in (k - 1, k + 1) if n in ref)
         got = aux[:, j * hid:(j + 1) * hid].double()
         dist = {kk: rms(got - v) for kk, v in ref.items()}
         nearest = min(dist, key=dist.get)
+        # Tokens whose routing is decided in every MoE layer before k.
+        before = margin[: max(0, k - dense)]
+        decided = before.min(0).values >= ROUTING_TIE if len(before) else torch.ones(len(prompt), dtype=torch.bool)
+        err, bf16_err = tok(got - ref[k]) / gap, tok(bf16[k] - ref[k]) / gap
         row = {"id": k, "rms_gap_to_neighbouring_layers": gap, "rms_state": rms(ref[k]),
                "rms_error": dist[k], "max_abs_error": (got - ref[k]).abs().max().item(),
                "nearest_reference_layer": nearest,
                "ratio": dist[k] / gap, "median_token_ratio": med(got - ref[k]) / gap,
                "bf16_reference_ratio": rms(bf16[k] - ref[k]) / gap,
-               "bf16_reference_median_token_ratio": med(bf16[k] - ref[k]) / gap}
-        row["ok"] = nearest == k and all(
-            row[n] < 0.1 or row[n] <= 1.5 * row[f"bf16_reference_{n}"] for n in ("ratio", "median_token_ratio"))
+               "bf16_reference_median_token_ratio": med(bf16[k] - ref[k]) / gap,
+               "tokens_with_a_routing_tie": int((~decided).sum()),
+               "max_token_ratio_decided": err[decided].max().item(),
+               "max_token_ratio_tied": err[~decided].max().item() if (~decided).any() else None,
+               "bf16_reference_max_token_ratio_decided": bf16_err[decided].max().item(),
+               "tokens_over_bound": [int(i) for i in (err >= BOUND).nonzero().flatten()],
+               "tied_tokens": [int(i) for i in (~decided).nonzero().flatten()]}
+        row["ok"] = nearest == k and row["ratio"] < BOUND and row["median_token_ratio"] < BOUND
         if spec is not None:
             # speculators' id k - 1 is the output of layer k - 1: vLLM's id k.
             s = spec["states"][spec["layer_ids"].index(k - 1)].double()
             row["speculators_id"] = k - 1
-            row["speculators_vs_engine_ratio"] = rms(s - got) / gap
-            row["speculators_vs_engine_max_abs"] = (s - got).abs().max().item()
-            row["speculators_ok"] = s.shape == got.shape and row["speculators_vs_engine_ratio"] < 0.1
+            same = s.shape == got.shape
+            d = tok(s - got) / gap if same else None
+            row["speculators_vs_engine_ratio"] = rms(s - got) / gap if same else None
+            row["speculators_vs_engine_median_token_ratio"] = d.median().item() if same else None
+            row["speculators_vs_engine_max_token_ratio_decided"] = d[decided].max().item() if same else None
+            row["speculators_ok"] = (same and row["speculators_vs_engine_ratio"] < BOUND
+                                     and row["speculators_vs_engine_median_token_ratio"] < BOUND)
             row["ok"] &= row["speculators_ok"]
         ok &= row["ok"]
         res["per_id"].append(row)
@@ -220,6 +278,9 @@ def run_all(out_dir: Path, work: Path) -> dict:
            "quantization_config_source": str(PUBLISHED_KIMI.relative_to(REPO_ROOT)),
            "target": json.loads((p["int4"] / "config.json").read_text()),
            "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    tt = work / "target_training.json"
+    if tt.exists():
+        res["target_training"] = {k: v for k, v in json.loads(tt.read_text()).items() if k != "log"}
     out_json = out_dir / "int4_kimi_k25.json"
 
     def fail(name, r):
