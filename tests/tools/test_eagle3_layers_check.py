@@ -95,23 +95,10 @@ def trainer_layout(cfg: dict[str, Any], dtype: str = "BF16") -> dict[str, tuple]
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The published DeepSeek-R1 config, and a Kimi-K2.5 one written from its
-    published geometry as tests/v1/spec_decode/test_eagle3_published_configs.py
-    writes it (no verbatim Kimi-K2.5 config.json was found)."""
-    mla = json.loads((PUBLISHED / "torchspec-kimi-k25-eagle3-mla" / "config.json").read_text())
-    text = json.loads((DEEPSEEK_R1 / "config.json").read_text())
-    del text["quantization_config"]
-    for field in ("num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
-                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
-                  "rope_theta", "rope_scaling", "rms_norm_eps"):
-        text[field] = mla[field]
-    text.update(n_routed_experts=384, n_group=1, topk_group=1)
-    kimi = tmp_path_factory.mktemp("kimi_k25_target")
-    (kimi / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-        "media_placeholder_token_id": 163605, "text_config": text}))
-    return {"deepseek": DEEPSEEK_R1, "kimi": kimi}
+def targets() -> dict[str, Path]:
+    """The published DeepSeek-R1 and Kimi-K2.5 configs, verbatim
+    (tests/v1/spec_decode/published_configs/PROVENANCE.md)."""
+    return {"deepseek": DEEPSEEK_R1, "kimi": PUBLISHED / "moonshotai-kimi-k25-target"}
 
 
 def drafter(tmp: Path, name: str, edit: dict[str, Any] | None = None,

@@ -30,7 +30,7 @@
 #          repeats (needs bench-prod's artifacts.tar.gz, or SPEED_ARTIFACTS)
 #   profile  bench_eagle3.py profile: torch-profiler breakdown of one plain and
 #          one EAGLE-3 engine's decode steps (needs the same artifacts as speed)
-#   project  project.py run: per-rank DeepSeek-V3 (TP = 8) step times at a
+#   project  project.py run: per-rank DeepSeek-V3 (PROJECT_ARGS="--model kimi-k25-int4": Kimi-K2.5 INT4) (TP = 8) step times at a
 #          few layer counts, for the 61-layer projection
 #   backends  prod_check.py backends: the target forced to each MLA backend,
 #          plain and with each drafter (served / refused at start / failed);
