@@ -73,8 +73,9 @@ def write_models(kind: str, work: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
-def engine(target: str, drafter: str | None, out: Path, capture: Path | None) -> None:
-    """One engine in this process: greedy tokens, counters, and (capture) the
+def engine(target: str, drafter: str | None, out: Path, capture: Path | None, **extra) -> None:
+    """One engine in this process (``extra``: more LLM arguments): greedy
+    tokens, counters, the engine's facts (engine_facts), and (capture) the
     aux states of the long prompt's prefill as the proposer receives them."""
     if capture is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -84,8 +85,8 @@ def engine(target: str, drafter: str | None, out: Path, capture: Path | None) ->
 
     prompts = h.token_prompts(PROMPT_LENGTHS, seed=0)
     t0 = time.perf_counter()
-    llm = LLM(**h.engine_kwargs(target, drafter))
-    rec = {"engine_start_s": time.perf_counter() - t0, "profile": h.profile()}
+    llm = LLM(**h.engine_kwargs(target, drafter, **extra))
+    rec = {"engine_start_s": time.perf_counter() - t0, "profile": h.profile(), "engine": h.engine_facts(llm)}
     if capture is not None:
         from bench_eagle3 import record_prefill_aux
 

@@ -40,7 +40,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,9 +50,10 @@ import gpu_e2e_helpers as h  # noqa: E402
 
 PUBLISHED_KIMI = (REPO_ROOT / "tests" / "v1" / "spec_decode" / "published_configs"
                   / "moonshotai-kimi-k25-target" / "config.json")
-PROMPT_LENGTHS = [5, 40, 256]
-LONG = 2  # the prompt whose states are checked
-MAX_TOKENS = 32
+# The prompts, the long one whose states are checked and the tokens served:
+# dsa_check.py's, whose engine() serves here too.
+from dsa_check import LONG, MAX_TOKENS, PROMPT_LENGTHS  # noqa: E402
+
 AUX_IDS = (1, 3, 6)
 # A random tiny target is chaotic at bf16: a routing near-tie at one token
 # spreads through attention to most later tokens by the last layer, so that
@@ -96,33 +96,11 @@ def write_models(work: Path, train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
 
 
 def engine(target: str, drafter: str | None, out: Path, capture: Path | None) -> None:
-    """One engine in this process: greedy tokens, counters, the engine's
-    facts (attention backends, CUDA-graph mode, MoE method) and (capture) the
-    long prompt's aux states as the proposer receives them."""
-    if capture is not None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    h.configure_env()
-    import torch
-    from vllm import LLM
+    """dsa_check.engine (tokens, counters, engine facts, the long prompt's aux
+    states) with Kimi-K2.5 served text only."""
+    from dsa_check import engine as serve
 
-    prompts = h.token_prompts(PROMPT_LENGTHS, seed=0)
-    t0 = time.perf_counter()
-    llm = LLM(**h.engine_kwargs(target, drafter, **KIMI_EXTRA))
-    rec = {"engine_start_s": time.perf_counter() - t0, "profile": h.profile(), "engine": h.engine_facts(llm)}
-    if capture is not None:
-        from bench_eagle3 import record_prefill_aux
-
-        got, rec["aux_layer_ids"] = record_prefill_aux(llm, [prompts[LONG]["prompt_token_ids"]])
-    toks, metrics = h.generate_tokens(llm, prompts, MAX_TOKENS)
-    rec.update(tokens=toks, metrics=metrics)
-    if capture is not None:
-        if got[0] is None:
-            raise SystemExit("the long prompt's prefill never reached the proposer")
-        torch.save({"aux": got[0], "layer_ids": rec["aux_layer_ids"],
-                    "prompt": prompts[LONG]["prompt_token_ids"]}, capture)
-        rec["captured_shape"] = list(got[0].shape)
-    out.write_text(json.dumps(rec))
-    h.shutdown(llm)
+    serve(target, drafter, out, capture, **KIMI_EXTRA)
 
 
 def speculators_states(target: Path, layer_ids: list[int], prompt: list[int], out: Path) -> None:
