@@ -24,7 +24,14 @@ from gpu_e2e_helpers import REPO_ROOT
 PUBLISHED = REPO_ROOT / "tests" / "v1" / "spec_decode" / "published_configs"
 
 
-COMMITTED = REPO_ROOT / "tools" / "gpu_harness" / "results" / "2026-12-02_h200_project_deepseek_v3_tp8_rank_gpu_time.json"
+RESULTS = REPO_ROOT / "tools" / "gpu_harness" / "results"
+COMMITTED = RESULTS / "2026-12-02_h200_project_deepseek_v3_tp8_rank_gpu_time.json"
+# H200 calls 42, 44, 45 (one drafter each; README quotes them).
+COMMITTED_BY_DRAFTER = {
+    "2026-12-02_h200_project_kimi_k25_int4_tp8_rank_gpu_time.json": "eagle3",
+    "2026-12-02_h200_project_kimi_k25_int4_tp8_rank_mla_drafter.json": "eagle3_mla",
+    "2026-12-02_h200_project_deepseek_v3_tp8_rank_mla_drafter.json": "eagle3_mla",
+}
 KIMI = "moonshotai-kimi-k25-target"
 
 
@@ -344,6 +351,31 @@ def test_fit_reproduces_the_committed_deepseek_result(capsys):
         assert set(p) - set(stored["projection_gpu_time"][b]) == {"projected_speedup_by_drafter"}
     # The wall steps of call 37 fit no line: still no wall projection.
     assert all("not_projected" in p for p in printed["projection"].values())
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED_BY_DRAFTER))
+def test_committed_projections_agree_with_numpy(name):
+    """What README quotes from each committed projection: the per-step GPU
+    time is a line in the layer count (residuals under 1 %), its value at 61
+    layers is numpy's least squares on the measured steps, and the overlapped
+    speed-up is acceptance length x plain / EAGLE-3 at 61 layers."""
+    stored = json.loads((RESULTS / name).read_text())
+    drafter = COMMITTED_BY_DRAFTER[name]
+    assert set(stored["gpu_step_ms"]) == {"batch1", "batch8", "batch32"}
+    for b, by_engine in stored["gpu_step_ms"].items():
+        at61 = {}
+        for engine in ("plain", drafter):
+            layers = np.array([float(n) for n in by_engine[engine]])
+            ms = np.array(list(by_engine[engine].values()))
+            assert len(layers) >= 3, (name, b, engine)
+            slope, icept = np.polyfit(layers, ms, 1)
+            assert np.max(np.abs(icept + slope * layers - ms) / ms) < 0.01, (name, b, engine)
+            at61[engine] = icept + slope * 61
+        p = stored["projection_gpu_time"][b]
+        assert p["gpu_ms_at_projected_layers"] == pytest.approx(at61, rel=1e-9)
+        speedup = p["projected_speedup_by_drafter"][drafter]["overlapped"]
+        for al in ("2.5", "3.0", "3.5"):
+            assert speedup[al] == pytest.approx(float(al) * at61["plain"] / at61[drafter], rel=1e-9), (b, al)
 
 
 def test_run_flags_follow_the_last_model(monkeypatch, tmp_path):
