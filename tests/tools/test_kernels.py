@@ -27,8 +27,40 @@ def test_pins_are_what_the_sdist_cmake_fetches(pristine_tree: Path):
     assert re.search(r'set\(CUTLASS_REVISION "([^"]+)"\)', cmake).group(1) == PIN["cutlass"]["rev"]
     fa = (pristine_tree / "cmake/external_projects/vllm_flash_attn.cmake").read_text()
     assert re.search(r"GIT_TAG (\w+)", fa).group(1) == PIN["flash-attention"]["commit"]
+    install = (pristine_tree / "tools/install_deepgemm.sh").read_text()
+    assert re.search(r'^DEEPGEMM_GIT_REF="(\w+)"', install, re.M).group(1) == PIN["deepgemm"]["commit"]
     for spec in PIN.values():
         assert re.fullmatch(r"[0-9a-f]{40}", spec["commit"]) and re.fullmatch(r"[0-9a-f]{64}", spec["sha256"])
+
+
+def _repo_with_gitlinks(root: Path, links: dict[str, str]) -> str:
+    def git(*a):
+        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, check=True).stdout.strip()
+    root.mkdir()
+    git("init", "-q")
+    for path, sha in links.items():
+        git("update-index", "--add", "--cacheinfo", f"160000,{sha},{path}")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "gitlinks")
+    return git("ls-tree", "HEAD", "--", *kernels.DEEPGEMM_SUBMODULES)
+
+
+def test_deepgemm_submodules_must_be_the_pinned_commits(tmp_path: Path):
+    """stage reads DeepGEMM's own tree: its third-party/cutlass and
+    third-party/fmt gitlinks must be the commits of the archives built in
+    their place (a git repository with those gitlinks, as git writes them)."""
+    pinned = {"third-party/cutlass": PIN["cutlass"]["commit"], "third-party/fmt": PIN["fmt"]["commit"]}
+    kernels.check_gitlinks(_repo_with_gitlinks(tmp_path / "ok", pinned), PIN)
+    other = dict(pinned, **{"third-party/fmt": "0" * 39 + "1"})
+    with pytest.raises(kernels.StackError, match=r"third-party/fmt at 0+1, pin.toml \[kernel_sources.fmt\]"):
+        kernels.check_gitlinks(_repo_with_gitlinks(tmp_path / "moved", other), PIN)
+    with pytest.raises(kernels.StackError, match="third-party/cutlass at None"):
+        kernels.check_gitlinks(_repo_with_gitlinks(tmp_path / "none", {"third-party/fmt": pinned["third-party/fmt"]}),
+                               PIN)
+
+
+def test_deepgemm_build_refuses_a_missing_compiler(tmp_path: Path):
+    with pytest.raises(kernels.StackError, match="--deepgemm-cxx /nonexistent/g\\+\\+ does not exist"):
+        kernels._start_deepgemm(tmp_path, PIN, "/nonexistent/g++", tmp_path / "log")
 
 
 def test_subset_names_sources_the_sdist_lists(pristine_tree: Path):

@@ -7,7 +7,8 @@
 # DIR, or the kernels-libs.tar.xz it writes; device_run.sh kernels does both).
 # Afterwards PYTHONPATH=SITE gives: the carried wheels, vLLM 0.16.0's (patched)
 # Python files with the built _C, _moe_C and _vllm_fa3_C laid out as in the
-# wheel, the DSA start-up hook and the xgrammar import placeholder. Nothing is
+# wheel, DeepGEMM where the build has it, the DSA start-up hook and the
+# xgrammar import placeholder. Nothing is
 # installed into the image.
 set -euo pipefail
 SITE=${1:-/tmp/site}
@@ -27,10 +28,13 @@ if [[ -f $KERNELS && $KERNELS == *.tar.xz ]]; then
 fi
 [[ -f $KERNELS/kernels.json ]] || { echo "KERNELS=$KERNELS holds no kernels.json: run kernels.py build" >&2; exit 1; }
 cp -r "$KERNELS/vllm/." "$SITE/vllm/"
-# FlashMLA sparse (no obtainable pinned source) and DeepGEMM (not built yet) are
-# not in kernels.py's build (docs/gpu-dsa.md):
-# with EAGLE3_HARNESS_DSA=1 their stand-ins go into every Python process,
-# after the built vllm._C has registered its ops (a built op always wins).
+# DeepGEMM, which kernels.py builds beside vLLM's ops (older builds lack it).
+if [[ -d $KERNELS/deep_gemm ]]; then rm -rf "$SITE/deep_gemm" && cp -r "$KERNELS/deep_gemm" "$SITE/"; fi
+# FlashMLA sparse (no obtainable pinned source) is not in kernels.py's build,
+# nor DeepGEMM in builds before it was: with EAGLE3_HARNESS_DSA=1 their
+# stand-ins go into every Python process, after the built vllm._C has
+# registered its ops (a built op always wins) and only where no real
+# deep_gemm imports.
 cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
 cp tools/gpu_harness/dsa_sitecustomize.py "$SITE/sitecustomize.py"
 rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"

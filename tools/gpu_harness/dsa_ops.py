@@ -6,7 +6,9 @@ FLASHMLA_SPARSE. Two of the kernels on that path are not built here:
 FlashMLA's sparse kernels (``_flashmla_C``; vLLM v0.16.0 pins FlashMLA at
 c2afa9cb, which is not among the stored snapshots: no obtainable source) and
 DeepGEMM's indexer logits (``deep_gemm``; its pin, 477618cd in v0.16.0's
-tools/install_deepgemm.sh, is obtainable but not built yet, docs/gpu-dsa.md).
+tools/install_deepgemm.sh, is built by kernels.py now, but that build has not
+run inside vLLM on the H200 yet; install() leaves a real deep_gemm alone,
+docs/gpu-dsa.md).
 This module stands in for those two, and
 for nothing else: every vLLM ``_C`` / ``_C_cache_ops`` op the DSA path calls
 (the indexer's fp8 quantization, its K cache, top-k per row, the MLA cache

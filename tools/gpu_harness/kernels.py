@@ -2,15 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build vLLM 0.16.0's own CUDA kernels, the subset DeepSeek-family EAGLE-3 serving reaches, with no network.
 
-    python3 tools/gpu_harness/kernels.py stage --cutlass-git DIR --flash-attn-git DIR   (any machine)
+    python3 tools/gpu_harness/kernels.py stage --cutlass-git DIR --flash-attn-git DIR \
+        --deepgemm-git DIR --fmt-git DIR                                               (any machine)
     python3 tools/gpu_harness/kernels.py build --out DIR [-j N]                          (the GPU machine)
 
-``stage`` writes into ``.device/kernels/`` the four source archives the build
+``stage`` writes into ``.device/kernels/`` the source archives the build
 needs, each checked against pin.toml before it is written: the pinned sdist's
 ``CMakeLists.txt``, ``cmake/`` and ``csrc/`` (the sdist itself is verified by
-tools.fetch), and ``git archive`` of CUTLASS, flash-attention and the CUTLASS
-commit flash-attention's ``csrc/cutlass`` submodule names
-(``[kernel_sources.*]``: repository, commit, paths, sha256 of the tar).
+tools.fetch), and ``git archive`` of CUTLASS, flash-attention, the CUTLASS
+commit flash-attention's ``csrc/cutlass`` submodule names, DeepGEMM and its
+fmt submodule (``[kernel_sources.*]``: repository, commit, paths, sha256 of
+the tar). DeepGEMM's submodule commits are checked against those pins too.
 
 ``build`` verifies the archives again, unpacks them, and runs vLLM's own
 ``CMakeLists.txt`` (unmodified) the way its setup.py does for sm_90a, with
@@ -22,7 +24,8 @@ first link). So vLLM sees the ops the full build has, and calling one that was
 not built raises torch's "Could not run '_C::<op>' ... CUDA backend" by name;
 nothing falls back to a stand-in. The libraries land in ``DIR/vllm/``, laid
 out as in the wheel, with ``kernels.json`` (what was built, what was not,
-timings).
+timings). DeepGEMM is built beside them, by its own ``setup.py``, into
+``DIR/deep_gemm/``.
 """
 
 from __future__ import annotations
@@ -136,6 +139,16 @@ LIB_PATHS = {"_C": "vllm", "_moe_C": "vllm", "_vllm_fa3_C": "vllm/vllm_flash_att
 # compiled are left out, so those variants reach upstream's own MarlinDefault
 # error ("... is not supported") instead of an unresolved symbol at load.
 MARLIN_SELECTOR = "csrc/moe/marlin_moe_wna16/kernel_selector.h"
+# DeepGEMM (the DSA indexer's logits). v0.16.0's tools/install_deepgemm.sh
+# runs its setup.py (bdist_wheel); ``build`` runs the same build_py (which
+# copies the cute/cutlass headers its runtime JIT compiles against into the
+# package) and build_ext, with each submodule unpacked from its pinned archive.
+DEEPGEMM_SUBMODULES = {"third-party/cutlass": "cutlass", "third-party/fmt": "fmt"}
+# The H200 image puts /opt/gcc/bin first on PATH. Its g++ wrapper built a
+# deep_gemm._C that crashes in _C.init at import (H200 calls 46-47); the
+# distribution's g++ (13.3) built one that imports and passes DeepGEMM's own
+# tests/test_attention.py (call 49). vLLM's CMake build is unaffected.
+DEEPGEMM_CXX = "/usr/bin/g++"
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -280,6 +293,22 @@ def _git_archive(repo: Path, spec: dict) -> bytes:
                           capture_output=True, check=True).stdout
 
 
+def check_gitlinks(ls_tree: str, srcs: dict[str, dict]) -> None:
+    """``git ls-tree`` of DeepGEMM's pinned commit: each submodule it records
+    must be the commit pinned for the archive that stands in for it."""
+    found = {}
+    for line in ls_tree.splitlines():
+        meta, _, path = line.partition("\t")
+        mode, kind, sha = meta.split()
+        if kind == "commit":
+            found[path] = sha
+    for path, key in DEEPGEMM_SUBMODULES.items():
+        want = srcs[key]["commit"]
+        if found.get(path) != want:
+            raise StackError(f"DeepGEMM {srcs['deepgemm']['commit']} records {path} at {found.get(path)}, "
+                             f"pin.toml [kernel_sources.{key}] is {want}: pin the commit DeepGEMM records")
+
+
 def _sdist_subset() -> bytes:
     from tools.fetch import ensure, offline_default
 
@@ -299,7 +328,7 @@ def _sdist_subset() -> bytes:
 def stage(args: argparse.Namespace) -> int:
     srcs = kernel_sources()
     repos = {"cutlass": args.cutlass_git, "flash-attention": args.flash_attn_git,
-             "flash-attention-cutlass": args.cutlass_git}
+             "flash-attention-cutlass": args.cutlass_git, "deepgemm": args.deepgemm_git, "fmt": args.fmt_git}
     STAGE_DIR.mkdir(parents=True, exist_ok=True)
     manifest = {}
     for key, spec in srcs.items():
@@ -310,6 +339,10 @@ def stage(args: argparse.Namespace) -> int:
         if digest != spec["sha256"]:
             raise StackError(f"git archive of {spec['repository']} {spec['commit']} has sha256 {digest}, "
                              f"pin.toml [kernel_sources.{key}] says {spec['sha256']}")
+        if key == "deepgemm":
+            check_gitlinks(subprocess.run(
+                ["git", "-C", str(repos[key]), "ls-tree", spec["commit"], "--", *DEEPGEMM_SUBMODULES],
+                capture_output=True, text=True, check=True).stdout, srcs)
         (STAGE_DIR / f"{key}.tar.xz").write_bytes(_xz(tar))
         manifest[key] = digest
     sd = _sdist_subset()
@@ -368,6 +401,47 @@ print(f"imported {name}: {len(ops)} ops")
 """
 
 
+def _start_deepgemm(work: Path, srcs: dict[str, dict], cxx: str, log: Path):
+    if not Path(cxx).is_file():
+        raise StackError(f"--deepgemm-cxx {cxx} does not exist: name the system C++ compiler "
+                         "(not a wrapper that links its own runtime; see DEEPGEMM_CXX in kernels.py)")
+    dg = work / "deepgemm"
+    _unpack("deepgemm", srcs["deepgemm"]["sha256"], dg)
+    for path, key in DEEPGEMM_SUBMODULES.items():
+        _unpack(key, srcs[key]["sha256"], dg / path)
+    env = dict(os.environ, DG_USE_LOCAL_VERSION="0", CC=cxx, CXX=cxx, LDSHARED=f"{cxx} -shared")
+    f = log.open("w")
+    f.write(f"$ CC={cxx} CXX={cxx} python3 setup.py build  (in {dg})\n")
+    f.flush()
+    return dg, subprocess.Popen([sys.executable, "setup.py", "build"], cwd=dg, env=env, stdout=f,
+                                stderr=subprocess.STDOUT), time.monotonic()
+
+
+def _finish_deepgemm(dg: Path, proc: subprocess.Popen, t: float, log: Path, out: Path, cxx: str) -> dict:
+    if proc.wait():
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise StackError(f"DeepGEMM's setup.py build failed (rc {proc.returncode}); last lines of {log}:\n{tail}")
+    dest = out / "deep_gemm"
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(next((dg / "build").glob("lib*/deep_gemm")), dest)
+    lib = next(dest.glob("_C*.so"))
+    # setup.py compiles with sysconfig's -g: 19 MB, over what one file back
+    # from the device may be. Only the debug sections go.
+    _run(["strip", "--strip-debug", str(lib)], log)
+    check = subprocess.run([sys.executable, "-c", "import deep_gemm; print('imported', deep_gemm.__file__, "
+                            "'SMs', deep_gemm.get_num_sms())"], cwd=out, env=dict(os.environ, PYTHONPATH=str(out)),
+                           capture_output=True, text=True)
+    with log.open("a") as f:
+        f.write(check.stdout + check.stderr)
+    if check.returncode:
+        raise StackError(f"{dest} does not import (rc {check.returncode}):\n{(check.stdout + check.stderr)[-2000:]}\n"
+                         "A crash in _C.init is the compiler's runtime (H200 call 47): pass --deepgemm-cxx "
+                         "with the distribution's g++")
+    return {"package": "deep_gemm", "library": f"deep_gemm/{lib.name}", "bytes": lib.stat().st_size,
+            "compiler": cxx,
+            "build_s": round(time.monotonic() - t, 1)}
+
+
 def build(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     srcs = kernel_sources()
@@ -420,6 +494,9 @@ def build(args: argparse.Namespace) -> int:
     cmake += [f"-DEAGLE3_KERNEL_SRCS_{t}={';'.join(s)}" for t, s in SUBSET.items()]
     cmake += [f"-DEAGLE3_KERNEL_SWAP_{t}={s}" for t, s in swaps.items()]
     timings = {"configure_s": _run(cmake, log, env=env)}
+    # One compile (csrc/python_api.cpp, about a minute) beside ninja's -j jobs.
+    dg_log = out / "deepgemm-build.log"
+    dg = _start_deepgemm(work, srcs, args.deepgemm_cxx, dg_log)
     sel = vsrc / MARLIN_SELECTOR
     sel.write_text(trim_marlin_selector(sel.read_text(), SUBSET["_moe_C"]))
 
@@ -450,6 +527,7 @@ def build(args: argparse.Namespace) -> int:
         if proc.returncode:
             raise StackError(f"{libs[tgt]} does not import:\n{text[-3000:]}")
     timings["import_check_s"] = round(time.monotonic() - t_import, 1)
+    deep_gemm = _finish_deepgemm(*dg, dg_log, out, args.deepgemm_cxx)
     for tgt, lib in libs.items():
         dest = out / LIB_PATHS[tgt] / lib.name
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -466,6 +544,7 @@ def build(args: argparse.Namespace) -> int:
         "fa3_definitions": FA3_DEFS,
         "fa3_not_built": {"files": FA3_NOT_BUILT, "raise_in": FA3_STUB},
         "schemas_without_kernel": not_built,
+        "deep_gemm": deep_gemm,
         "sources_sha256": {k: v["sha256"] for k, v in srcs.items()} | {"vllm-src": staged.get("vllm-src")},
         "timings": timings, "jobs": args.jobs,
         "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
@@ -476,7 +555,8 @@ def build(args: argparse.Namespace) -> int:
     with tarfile.open(out / "kernels-libs.tar.xz", "w:xz", preset=3) as tf:
         tf.add(out / "kernels.json", "kernels.json")
         tf.add(out / "vllm", "vllm")
-    print(json.dumps({k: report[k] for k in ("timings", "schemas_without_kernel")}, indent=1))
+        tf.add(out / "deep_gemm", "deep_gemm")
+    print(json.dumps({k: report[k] for k in ("timings", "schemas_without_kernel", "deep_gemm")}, indent=1))
     return 0
 
 
@@ -488,10 +568,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stage", help="write the verified source archives into .device/kernels")
     s.add_argument("--cutlass-git", type=Path, help="a git clone of NVIDIA/cutlass")
     s.add_argument("--flash-attn-git", type=Path, help="a git clone of vllm-project/flash-attention")
+    s.add_argument("--deepgemm-git", type=Path, help="a git clone of deepseek-ai/DeepGEMM")
+    s.add_argument("--fmt-git", type=Path, help="a git clone of fmtlib/fmt")
     b = sub.add_parser("build", help="build the subset (needs nvcc, cmake, ninja, torch with CUDA)")
     b.add_argument("--out", required=True, help="where vllm/... and kernels.json go")
     b.add_argument("--work", default="/tmp/eagle3-kernels", help="scratch directory (emptied)")
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 8)
+    b.add_argument("--deepgemm-cxx", default=DEEPGEMM_CXX, help=f"C++ compiler for DeepGEMM (default {DEEPGEMM_CXX})")
     args = ap.parse_args(argv)
     return stage(args) if args.cmd == "stage" else build(args)
 
