@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -299,7 +300,7 @@ def check_gitlinks(ls_tree: str, srcs: dict[str, dict]) -> None:
     found = {}
     for line in ls_tree.splitlines():
         meta, _, path = line.partition("\t")
-        mode, kind, sha = meta.split()
+        _mode, kind, sha = meta.split()
         if kind == "commit":
             found[path] = sha
     for path, key in DEEPGEMM_SUBMODULES.items():
@@ -403,8 +404,8 @@ print(f"imported {name}: {len(ops)} ops")
 
 def _start_deepgemm(work: Path, srcs: dict[str, dict], cxx: str, log: Path):
     if not Path(cxx).is_file():
-        raise StackError(f"--deepgemm-cxx {cxx} does not exist: name the system C++ compiler "
-                         "(not a wrapper that links its own runtime; see DEEPGEMM_CXX in kernels.py)")
+        raise StackError(f"--deepgemm-cxx {cxx} does not exist: name the distribution's C++ compiler "
+                         "(see DEEPGEMM_CXX in kernels.py for why not the first g++ on PATH)")
     dg = work / "deepgemm"
     _unpack("deepgemm", srcs["deepgemm"]["sha256"], dg)
     for path, key in DEEPGEMM_SUBMODULES.items():
@@ -413,12 +414,19 @@ def _start_deepgemm(work: Path, srcs: dict[str, dict], cxx: str, log: Path):
     f = log.open("w")
     f.write(f"$ CC={cxx} CXX={cxx} python3 setup.py build  (in {dg})\n")
     f.flush()
-    return dg, subprocess.Popen([sys.executable, "setup.py", "build"], cwd=dg, env=env, stdout=f,
-                                stderr=subprocess.STDOUT), time.monotonic()
+    proc = subprocess.Popen([sys.executable, "setup.py", "build"], cwd=dg, env=env, stdout=f,
+                            stderr=subprocess.STDOUT)
+    # Its own wall time, though it is collected only after ninja is done.
+    done = {"start": time.monotonic()}
+    waiter = threading.Thread(target=lambda: (proc.wait(), done.update(end=time.monotonic())), daemon=True)
+    waiter.start()
+    return dg, proc, waiter, done
 
 
-def _finish_deepgemm(dg: Path, proc: subprocess.Popen, t: float, log: Path, out: Path, cxx: str) -> dict:
-    if proc.wait():
+def _finish_deepgemm(dg: Path, proc: subprocess.Popen, waiter: threading.Thread, done: dict, log: Path, out: Path,
+                     cxx: str) -> dict:
+    waiter.join()
+    if proc.returncode:
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise StackError(f"DeepGEMM's setup.py build failed (rc {proc.returncode}); last lines of {log}:\n{tail}")
     dest = out / "deep_gemm"
@@ -435,11 +443,10 @@ def _finish_deepgemm(dg: Path, proc: subprocess.Popen, t: float, log: Path, out:
         f.write(check.stdout + check.stderr)
     if check.returncode:
         raise StackError(f"{dest} does not import (rc {check.returncode}):\n{(check.stdout + check.stderr)[-2000:]}\n"
-                         "A crash in _C.init is the compiler's runtime (H200 call 47): pass --deepgemm-cxx "
-                         "with the distribution's g++")
+                         "Built with the H200 image's /opt/gcc wrapper, it crashed in _C.init (call 47); "
+                         "--deepgemm-cxx names another compiler")
     return {"package": "deep_gemm", "library": f"deep_gemm/{lib.name}", "bytes": lib.stat().st_size,
-            "compiler": cxx,
-            "build_s": round(time.monotonic() - t, 1)}
+            "compiler": cxx, "build_s": round(done["end"] - done["start"], 1)}
 
 
 def build(args: argparse.Namespace) -> int:
