@@ -360,27 +360,6 @@ def _gpu_step_ms(trace_dir: Path, seen: set[str]) -> float:
     return steps["median"]["gpu_kernel_ms"]
 
 
-def _moe_facts(worker) -> dict:
-    """Runs in the worker (collective_rpc): the quant method vLLM picked for
-    the target's first FusedMoE layer (the drafters have none). Self-contained:
-    cloudpickle sends it by value when this file runs as a script."""
-    from vllm.model_executor.layers.fused_moe import FusedMoE
-
-    for name, m in worker.model_runner.get_model().named_modules():
-        if isinstance(m, FusedMoE):
-            qm = m.quant_method
-            # FusedMoEModularMethod (made where an all-to-all prepare/finalize
-            # exists: expert parallelism) wraps the method chosen; its class
-            # name alone would hide Marlin.
-            inner = getattr(qm, "old_quant_method", None)
-            return {"layer": name, "quant_method": type(qm).__name__,
-                    "wrapped": None if inner is None else type(inner).__name__,
-                    # CompressedTensorsWNA16MarlinMoEMethod also runs FlashInfer's
-                    # MxInt4 kernels (SM100 only): the class alone does not say.
-                    "kernel_backend": getattr(inner or qm, "kernel_backend", None)}
-    return {"layer": None}
-
-
 def _is_marlin(moe: dict) -> bool:
     method = moe.get("wrapped") or moe.get("quant_method") or ""
     return "Marlin" in method and moe.get("kernel_backend") in (None, "Marlin")
@@ -476,17 +455,13 @@ def run(model: str, layer_counts: list[int] | None, out: Path, drafters: list[st
                                         profiler_config={"profiler": "torch", "torch_profiler_dir": str(traces),
                                                          "torch_profiler_with_stack": False}))
             try:
-                facts = h.engine_facts(llm)
-                try:
-                    facts["moe"] = llm.collective_rpc(_moe_facts)[0]
-                except Exception as e:  # noqa: BLE001 - recorded; refused below where it matters
-                    facts["moe"] = {"error": f"{type(e).__name__}: {e}"}
+                facts = h.engine_facts(llm)  # its "moe": the first MoE layer's method
                 res.setdefault("engine", {})[key] = facts
                 target_backends = facts.get("attention_backends", {}).get("target", [])
                 if not any("MLA" in b for b in target_backends):
                     raise RuntimeError(f"the target runs {target_backends}, not an MLA backend: these step "
                                        f"times would not be {model}'s (is VLLM_MLA_DISABLE set?)")
-                if spec.get("moe_method") == "Marlin" and not _is_marlin(facts["moe"]):
+                if spec.get("moe_method") == "Marlin" and not _is_marlin(facts.get("moe", {})):
                     raise RuntimeError(f"the INT4 experts run {facts['moe']}, not Marlin MoE: these step "
                                        f"times would not be {model}'s as vLLM serves it on Hopper")
                 for b in batches:

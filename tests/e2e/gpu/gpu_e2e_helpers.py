@@ -238,6 +238,20 @@ OP_MODULES = ("vllm._C", "vllm._moe_C", "vllm.vllm_flash_attn._vllm_fa2_C",
               "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C", "deep_gemm")
 
 
+def moe_layer_facts(name: str, layer) -> dict[str, Any]:
+    """The quant method vLLM picked for one FusedMoE layer."""
+    qm = layer.quant_method
+    # FusedMoEModularMethod (made where an all-to-all prepare/finalize exists:
+    # expert parallelism) wraps the method chosen; its class name alone would
+    # hide Marlin.
+    inner = getattr(qm, "old_quant_method", None)
+    return {"layer": name, "quant_method": type(qm).__name__,
+            "wrapped": None if inner is None else type(inner).__name__,
+            # CompressedTensorsWNA16MarlinMoEMethod also runs FlashInfer's
+            # MxInt4 kernels (SM100 only): the class alone does not say.
+            "kernel_backend": getattr(inner or qm, "kernel_backend", None)}
+
+
 def _worker_facts(worker) -> dict[str, Any]:
     """Runs in each worker (collective_rpc): what the engine actually uses,
     after vLLM's own backend choice and CUDA-graph lowering."""
@@ -253,13 +267,16 @@ def _worker_facts(worker) -> dict[str, Any]:
     try:  # which MoE kernels serve the experts (Marlin for an INT4 release)
         from vllm.model_executor.layers.fused_moe import FusedMoE
 
-        moe = sorted({type(m.quant_method).__name__ for m in mr.get_model().modules()
-                      if isinstance(m, FusedMoE)})
+        layers = [(n, m) for n, m in mr.get_model().named_modules() if isinstance(m, FusedMoE)]
+        moe = sorted({type(m.quant_method).__name__ for _, m in layers})
+        first_moe = moe_layer_facts(*layers[0]) if layers else {"layer": None}
     except Exception as e:  # noqa: BLE001 - a fact, not a check
         moe = [f"unknown ({type(e).__name__}: {e})"]
+        first_moe = {"error": f"{type(e).__name__}: {e}"}
     return {
         "attention_backends": {k: sorted(v) for k, v in backends.items()},
         "moe_quant_methods": moe,
+        "moe": first_moe,  # the target's first MoE layer (the drafters have none)
         "cudagraph_mode": str(mr.compilation_config.cudagraph_mode),
         "target_dispatcher_mode": str(getattr(mr.cudagraph_dispatcher, "cudagraph_mode", None)),
         "drafter_dispatcher_mode": None if disp is None else str(disp.cudagraph_mode),

@@ -407,9 +407,6 @@ class _FakeLLM:
         self.layers = json.loads((Path(kw["model"]) / "config.json").read_text())["num_hidden_layers"]
         _FakeLLM.started.append(kw)
 
-    def collective_rpc(self, fn):
-        return [dict(_FakeLLM.moe)]
-
     def generate(self, prompts, sp, use_tqdm=False):
         # Steps that grow with the layers, so the result holds lines to fit.
         _FakeLLM.clock += 0.01 * self.layers * (2 if "speculative_config" in self.kw else 1)
@@ -433,7 +430,8 @@ def fake_engine(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("EAGLE3_GPU_PROFILE", "production")
     monkeypatch.setenv("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")
     monkeypatch.setattr(h, "configure_env", lambda: None)
-    monkeypatch.setattr(h, "engine_facts", lambda llm: {"attention_backends": {"target": ["FLASH_ATTN_MLA"]}})
+    monkeypatch.setattr(h, "engine_facts", lambda llm: {"attention_backends": {"target": ["FLASH_ATTN_MLA"]},
+                                                         "moe": dict(_FakeLLM.moe)})
     monkeypatch.setattr(h, "shutdown", lambda llm: None)
     monkeypatch.setattr(h, "spec_counters", lambda llm: {})
     monkeypatch.setattr(h, "counters_delta", lambda a, b: {"num_drafts": 64})
@@ -483,10 +481,16 @@ def test_run_refuses_int4_experts_off_marlin(fake_engine, tmp_path):
                                "wrapped": "CompressedTensorsWNA16MarlinMoEMethod"})
 
 
-def test_moe_facts_name_the_first_moe_layers_method(monkeypatch):
+def test_engine_facts_name_the_first_moe_layers_method(monkeypatch):
+    """gpu_e2e_helpers._worker_facts, as the workers run it, on a model whose
+    first FusedMoE layer's method is wrapped (expert parallelism): every
+    method in use by class, and the first layer's with the wrapped method and
+    its kernel backend, which is what project.py's Marlin check reads."""
     import torch
 
     import vllm.model_executor.layers.fused_moe as fused_moe
+
+    import gpu_e2e_helpers as h
 
     class FakeMoE(torch.nn.Module):
         def __init__(self, quant_method):
@@ -502,12 +506,18 @@ def test_moe_facts_name_the_first_moe_layers_method(monkeypatch):
 
     monkeypatch.setattr(fused_moe, "FusedMoE", FakeMoE)
     model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Module()])
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Module(), torch.nn.Module()])
     model.layers[1].experts = FakeMoE(FusedMoEModularMethod(CompressedTensorsWNA16MarlinMoEMethod()))
-    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: model))
-    facts = project._moe_facts(worker)
-    assert facts == {"layer": "layers.1.experts", "quant_method": "FusedMoEModularMethod",
-                     "wrapped": "CompressedTensorsWNA16MarlinMoEMethod", "kernel_backend": "Marlin"}
-    assert project._is_marlin(facts)
-    assert project._moe_facts(SimpleNamespace(model_runner=SimpleNamespace(get_model=torch.nn.Module))) == {
-        "layer": None}
+    model.layers[2].experts = FakeMoE(CompressedTensorsWNA16MarlinMoEMethod())
+
+    def worker(get_model):
+        modes = SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE", mode=3)
+        return SimpleNamespace(model_runner=SimpleNamespace(
+            get_model=get_model, attn_groups=[], compilation_config=modes, cudagraph_dispatcher=modes))
+
+    facts = h._worker_facts(worker(lambda: model))
+    assert facts["moe_quant_methods"] == ["CompressedTensorsWNA16MarlinMoEMethod", "FusedMoEModularMethod"]
+    assert facts["moe"] == {"layer": "layers.1.experts", "quant_method": "FusedMoEModularMethod",
+                            "wrapped": "CompressedTensorsWNA16MarlinMoEMethod", "kernel_backend": "Marlin"}
+    assert project._is_marlin(facts["moe"])
+    assert h._worker_facts(worker(torch.nn.Module))["moe"] == {"layer": None}
