@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Each stand-in of tools/gpu_harness/dsa_ops.py computes what its kernel computes.
 
-They stand in for the two DSA kernels the harness does not build, FlashMLA's sparse
-attention (no obtainable pinned source) and DeepGEMM's indexer logits (its pin is
-obtainable, not built yet); vLLM's own DSA ops are built (kernels.py).
+They stand in for the two DSA kernels the harness did not build, FlashMLA's sparse
+attention (no obtainable pinned source) and DeepGEMM's indexer logits (kernels.py now
+builds its pin; the ``built_deep_gemm`` tests hold that build to the same references,
+on a GPU); vLLM's own DSA ops are built (kernels.py).
 References: float64 Python loops from the kernels' sources (layouts and formulas quoted in
 dsa_ops.py), rounded to float32 or bf16 where the kernel does; the fp8 MLA cache decoded
 by a literal e4m3 decoder. Not marked ``gpu``: CPU in CI, CUDA when present."""
@@ -130,6 +131,96 @@ def test_paged_mqa_logits_metadata_splits_all_blocks():
     meta = dsa.get_paged_mqa_logits_metadata(ctx, 4, 5)
     assert meta.dtype == I32 and meta.shape == (6, 2)
     assert meta.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [3, 0]]
+
+
+# --- DeepGEMM built from its pin (kernels.py), through vLLM's wrappers -------
+# The same literal references, now for the kernel itself: what vLLM's
+# vllm.utils.deep_gemm wrappers return over the deep_gemm that kernels.py
+# builds at v0.16.0's pin, on the kernel's own shapes (block_kv 64 for the
+# paged cache, next_n 1 or 2) and head counts: index_n_heads 32 (GLM-5) and
+# 64 (DeepSeek-V3.2; tests/transformers_utils/data/*/config.json).
+# Tolerance: Hopper's fp8 tensor cores accumulate with fewer bits than
+# float32, so the bound is relative to the sum of the terms' magnitudes.
+def _built_deep_gemm():
+    import importlib
+
+    try:
+        real = importlib.import_module("deep_gemm")
+    except ImportError as e:
+        pytest.skip(f"no built deep_gemm ({e}): kernels.py build, then device_setup.sh installs it")
+    if getattr(real, "__file__", None) is None:
+        pytest.skip("deep_gemm is dsa_ops.py's stand-in, not a build")
+    from vllm.utils import deep_gemm as vdg
+
+    return real, vdg
+
+
+def _logit_ref_and_magnitude(qm, kn, wm, scale):
+    ref = mag = 0.0
+    for h in range(len(qm)):
+        dot = sum(a * b for a, b in zip(qm[h], kn))
+        ref += max(dot, 0.0) * wm[h]
+        mag += sum(abs(a * b) for a, b in zip(qm[h], kn)) * abs(wm[h])
+    return ref * scale, mag * abs(scale)
+
+
+def _assert_logit(got, qm, kn, wm, scale, where):
+    ref, mag = _logit_ref_and_magnitude(qm, kn, wm, scale)
+    assert abs(got - ref) <= 1e-3 * mag + 1e-3, (where, got, ref, mag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [32, 64])
+def test_built_deep_gemm_mqa_logits(heads):
+    _, vdg = _built_deep_gemm()
+    m, n = 4, 300
+    q = _fp8_random((m, heads, D_IDX), "cuda", 4)
+    k = _fp8_random((n, D_IDX), "cuda", 5)
+    ks_ = torch.rand(n, generator=_gen(6, "cpu")).cuda() + 0.5
+    w = _randn((m, heads), torch.float32, "cuda", seed=7)
+    starts, ends = [0, 0, 100, 250], [1, 129, 300, 300]
+    out = vdg.fp8_mqa_logits(q, (k, ks_), w, _t(starts, "cuda"), _t(ends, "cuda"), clean_logits=True)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    out, qf, kf = out.cpu().tolist(), q.float().cpu().tolist(), k.float().cpu().tolist()
+    wf, sf = w.cpu().tolist(), ks_.cpu().tolist()
+    for i in range(m):
+        for j in range(n):
+            if starts[i] <= j < ends[i]:
+                _assert_logit(out[i][j], qf[i], kf[j], wf[i], sf[j], (i, j))
+            else:
+                assert out[i][j] == NEG_INF, (i, j)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,next_n", [(32, 1), (64, 2)])
+def test_built_deep_gemm_paged_mqa_logits(heads, next_n):
+    real, vdg = _built_deep_gemm()
+    bs, nb, max_len = 64, 5, 192
+    ctx, block_table = [70, 130], [[3, 0, 0], [1, 4, 2]]
+    # Packed byte by byte as vLLM's built indexer_k_quant_and_cache writes it
+    # (see test_fp8_paged_mqa_logits), at the kernel's block size.
+    keys = _fp8_random((nb, bs, D_IDX), "cpu", 8)
+    scales = [[0.25 + 0.01 * (blk * bs + o) for o in range(bs)] for blk in range(nb)]
+    raw = [keys[blk].view(torch.uint8).reshape(-1).tolist()
+           + [byte for o in range(bs) for byte in f32_bytes(scales[blk][o])] for blk in range(nb)]
+    cache = torch.tensor(raw, dtype=torch.uint8).reshape(nb, bs, 1, D_IDX + 4).cuda()
+    b = len(ctx)
+    q = _fp8_random((b, next_n, heads, D_IDX), "cuda", 9)
+    w = _randn((b * next_n, heads), torch.float32, "cuda", seed=10)
+    ctx_t = _t(ctx, "cuda")
+    meta = vdg.get_paged_mqa_logits_metadata(ctx_t, bs, real.get_num_sms())
+    out = vdg.fp8_paged_mqa_logits(q, cache, w, ctx_t, _t(block_table, "cuda"), meta, max_len, clean_logits=True)
+    assert out.shape == (b * next_n, max_len)
+    out, qf, wf, kf = out.cpu().tolist(), q.float().cpu().tolist(), w.cpu().tolist(), keys.float().tolist()
+    for bi in range(b):
+        for j in range(next_n):
+            row, qpos = bi * next_n + j, ctx[bi] - next_n + j
+            for pos in range(max_len):
+                if pos <= qpos:
+                    blk, off = block_table[bi][pos // bs], pos % bs
+                    _assert_logit(out[row][pos], qf[bi][j], kf[blk][off], wf[row], f32(scales[blk][off]), (row, pos))
+                else:
+                    assert out[row][pos] == NEG_INF, (row, pos)
 
 
 # --- FlashMLA sparse ----------------------------------------------------------
