@@ -96,6 +96,19 @@ def _optimizer(params, lr: float, steps: int):
     return step
 
 
+def train_target_apart(train_dir: Path, steps: int, work: Path) -> dict:
+    """train_target in a child process (``train-target``), so that this one
+    starts no CUDA context before vLLM forks its engine; its output goes to
+    work/target_training.log and its result to work/target_training.json."""
+    r = subprocess.run([sys.executable, __file__, "train-target", "--target", str(train_dir),
+                        "--steps", str(steps), "--out", str(work / "target_training.json")],
+                       capture_output=True, text=True)
+    (work / "target_training.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"target training failed:\n{(r.stdout + r.stderr)[-4000:]}")
+    return json.loads((work / "target_training.json").read_text())
+
+
 def train_target(target_dir: Path, steps: int, device: str = "cuda", batch_size: int = 64) -> dict:
     """Train the tiny target on the skip-rule language, in place."""
     import torch
@@ -524,16 +537,7 @@ def run_all(out_dir: Path, work: Path, steps: int, target_steps: int, random_dra
         finally:
             save()
 
-    def train_tgt():
-        r = subprocess.run([sys.executable, __file__, "train-target", "--target", str(train_dir),
-                            "--steps", str(target_steps), "--out", str(work / "target_training.json")],
-                           capture_output=True, text=True)
-        (work / "target_training.log").write_text(r.stdout + r.stderr)
-        if r.returncode != 0:
-            raise RuntimeError(f"target training failed:\n{(r.stdout + r.stderr)[-4000:]}")
-        return json.loads((work / "target_training.json").read_text())
-
-    results["target_training"] = stage("target_training", train_tgt)
+    results["target_training"] = stage("target_training", lambda: train_target_apart(train_dir, target_steps, work))
     if results["target_training"] is None:
         return
     if kind == INT4_KIND:

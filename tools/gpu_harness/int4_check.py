@@ -82,12 +82,10 @@ def write_models(work: Path, train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
     tiny.write_checkpoint("kimi-k25", p["bf16"], seed=7, **kw)
     text = None
     if train_steps:
+        from bench_eagle3 import train_target_apart
+
         text = tiny.kimi_text_view(p["bf16"], work / "kimi_k25_text")
-        r = subprocess.run([sys.executable, str(Path(__file__).parent / "bench_eagle3.py"), "train-target",
-                            "--target", str(text), "--steps", str(train_steps),
-                            "--out", str(work / "target_training.json")], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"target training failed:\n{(r.stdout + r.stderr)[-4000:]}")
+        train_target_apart(text, train_steps, work)
     tiny.write_kimi_k25_int4(p["bf16"], p["int4"], published_quantization_config(), text_weights=text)
     tiny.kimi_text_view(p["int4"], p["view"])
     tiny.write_checkpoint("eagle3-drafter", p["drafter"], seed=8, dtype=kw["dtype"],
