@@ -93,17 +93,35 @@ def test_fp8_mqa_logits(device):
                 assert float(out[i, j]) == NEG_INF
 
 
+def _indexer_cache(nb, bs, scale_step, device):
+    """The indexer K cache packed byte by byte as vLLM's built
+    indexer_k_quant_and_cache writes it (csrc/cache_kernels.cu:437): per block,
+    every token's fp8 K first (token o at o*D_IDX), then every token's fp32
+    scale (at bs*D_IDX + o*4). -> (uint8 [nb, bs, 1, D_IDX + 4], keys as
+    float lists, scales)."""
+    keys = _fp8_random((nb, bs, D_IDX), "cpu", 8)
+    scales = [[0.25 + scale_step * (blk * bs + o) for o in range(bs)] for blk in range(nb)]
+    raw = [keys[blk].view(torch.uint8).reshape(-1).tolist()
+           + [byte for o in range(bs) for byte in f32_bytes(scales[blk][o])] for blk in range(nb)]
+    cache = torch.tensor(raw, dtype=torch.uint8).reshape(nb, bs, 1, D_IDX + 4).to(device)
+    return cache, keys.float().tolist(), scales
+
+
+def _paged_cells(ctx, block_table, next_n, max_len, bs):
+    """(row, request, draft position, key position, (block, offset) or None
+    where the key lies after the query and the logit is -inf)."""
+    for bi, n in enumerate(ctx):
+        for j in range(next_n):
+            qpos = n - next_n + j
+            for pos in range(max_len):
+                yield (bi * next_n + j, bi, j, pos,
+                       (block_table[bi][pos // bs], pos % bs) if pos <= qpos else None)
+
+
 def test_fp8_paged_mqa_logits(device):
     b, next_n, h, nb, max_len = 2, 2, 4, 6, 12
     ctx, block_table = [5, 7], [[4, 0, 0], [2, 5, 1]]
-    # The cache packed byte by byte as vLLM's built indexer_k_quant_and_cache
-    # writes it (csrc/cache_kernels.cu:437): per block, every token's fp8 K
-    # first (token o at o*D_IDX), then every token's fp32 scale (at BS*D_IDX + o*4).
-    keys = _fp8_random((nb, BS, D_IDX), "cpu", 8)
-    scales = [[0.25 + 0.1 * (blk * BS + o) for o in range(BS)] for blk in range(nb)]
-    raw = [keys[blk].view(torch.uint8).reshape(-1).tolist()
-           + [byte for o in range(BS) for byte in f32_bytes(scales[blk][o])] for blk in range(nb)]
-    cache = torch.tensor(raw, dtype=torch.uint8).reshape(nb, BS, 1, D_IDX + 4).to(device)
+    cache, kf, scales = _indexer_cache(nb, BS, 0.1, device)
     q = _fp8_random((b, next_n, h, D_IDX), device, 9)
     w = _randn((b * next_n, h), torch.float32, device, seed=10)
     ctx_t = _t(ctx, device)
@@ -111,17 +129,13 @@ def test_fp8_paged_mqa_logits(device):
     out = dsa.fp8_paged_mqa_logits(q, cache, w, ctx_t, _t(block_table, device), meta, max_len,
                                    clean_logits=False)
     assert out.shape == (b * next_n, max_len)
-    qf, wf, kf = q.float().cpu().tolist(), w.cpu().tolist(), keys.float().tolist()
-    for bi in range(b):
-        for j in range(next_n):
-            row, qpos = bi * next_n + j, ctx[bi] - next_n + j
-            for pos in range(max_len):
-                if pos <= qpos:
-                    blk, off = block_table[bi][pos // BS], pos % BS
-                    ref = _logit_ref(qf[bi][j], kf[blk][off], wf[row], f32(scales[blk][off]))
-                    assert math.isclose(float(out[row, pos]), ref, rel_tol=1e-5, abs_tol=1e-3)
-                else:
-                    assert float(out[row, pos]) == NEG_INF
+    qf, wf = q.float().cpu().tolist(), w.cpu().tolist()
+    for row, bi, j, pos, at in _paged_cells(ctx, block_table, next_n, max_len, BS):
+        if at is None:
+            assert float(out[row, pos]) == NEG_INF
+        else:
+            ref = _logit_ref(qf[bi][j], kf[at[0]][at[1]], wf[row], f32(scales[at[0]][at[1]]))
+            assert math.isclose(float(out[row, pos]), ref, rel_tol=1e-5, abs_tol=1e-3)
 
 
 def test_paged_mqa_logits_metadata_splits_all_blocks():
@@ -197,13 +211,7 @@ def test_built_deep_gemm_paged_mqa_logits(heads, next_n):
     real, vdg = _built_deep_gemm()
     bs, nb, max_len = 64, 5, 192
     ctx, block_table = [70, 130], [[3, 0, 0], [1, 4, 2]]
-    # Packed byte by byte as vLLM's built indexer_k_quant_and_cache writes it
-    # (see test_fp8_paged_mqa_logits), at the kernel's block size.
-    keys = _fp8_random((nb, bs, D_IDX), "cpu", 8)
-    scales = [[0.25 + 0.01 * (blk * bs + o) for o in range(bs)] for blk in range(nb)]
-    raw = [keys[blk].view(torch.uint8).reshape(-1).tolist()
-           + [byte for o in range(bs) for byte in f32_bytes(scales[blk][o])] for blk in range(nb)]
-    cache = torch.tensor(raw, dtype=torch.uint8).reshape(nb, bs, 1, D_IDX + 4).cuda()
+    cache, kf, scales = _indexer_cache(nb, bs, 0.01, "cuda")  # at the kernel's block size
     b = len(ctx)
     q = _fp8_random((b, next_n, heads, D_IDX), "cuda", 9)
     w = _randn((b * next_n, heads), torch.float32, "cuda", seed=10)
@@ -211,16 +219,12 @@ def test_built_deep_gemm_paged_mqa_logits(heads, next_n):
     meta = vdg.get_paged_mqa_logits_metadata(ctx_t, bs, real.get_num_sms())
     out = vdg.fp8_paged_mqa_logits(q, cache, w, ctx_t, _t(block_table, "cuda"), meta, max_len, clean_logits=True)
     assert out.shape == (b * next_n, max_len)
-    out, qf, wf, kf = out.cpu().tolist(), q.float().cpu().tolist(), w.cpu().tolist(), keys.float().tolist()
-    for bi in range(b):
-        for j in range(next_n):
-            row, qpos = bi * next_n + j, ctx[bi] - next_n + j
-            for pos in range(max_len):
-                if pos <= qpos:
-                    blk, off = block_table[bi][pos // bs], pos % bs
-                    _assert_logit(out[row][pos], qf[bi][j], kf[blk][off], wf[row], f32(scales[blk][off]), (row, pos))
-                else:
-                    assert out[row][pos] == NEG_INF, (row, pos)
+    out, qf, wf = out.cpu().tolist(), q.float().cpu().tolist(), w.cpu().tolist()
+    for row, bi, j, pos, at in _paged_cells(ctx, block_table, next_n, max_len, bs):
+        if at is None:
+            assert out[row][pos] == NEG_INF, (row, pos)
+        else:
+            _assert_logit(out[row][pos], qf[bi][j], kf[at[0]][at[1]], wf[row], f32(scales[at[0]][at[1]]), (row, pos))
 
 
 # --- FlashMLA sparse ----------------------------------------------------------
