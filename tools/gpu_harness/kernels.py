@@ -147,9 +147,10 @@ MARLIN_SELECTOR = "csrc/moe/marlin_moe_wna16/kernel_selector.h"
 DEEPGEMM_SUBMODULES = {"third-party/cutlass": "cutlass", "third-party/fmt": "fmt"}
 # The H200 image puts /opt/gcc/bin first on PATH. Its g++ wrapper built a
 # deep_gemm._C that crashes in _C.init at import (H200 calls 46-47); the
-# distribution's g++ (13.3) built one that imports and passes DeepGEMM's own
-# tests/test_attention.py (call 49). vLLM's CMake build is unaffected.
-DEEPGEMM_CXX = "/usr/bin/g++"
+# distribution's /usr/bin/g++-13 built one that imports and passes DeepGEMM's
+# own tests/test_attention.py (call 49), so that is the default here.
+# vLLM's CMake build is unaffected.
+DEEPGEMM_CXX = "/usr/bin/g++-13"
 
 
 def sha256_bytes(data: bytes) -> str:
