@@ -234,8 +234,9 @@ SPEC_METRICS = {
 }
 
 
+# deep_gemm is a Python package: its compiled library is deep_gemm._C.
 OP_MODULES = ("vllm._C", "vllm._moe_C", "vllm.vllm_flash_attn._vllm_fa2_C",
-              "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C", "deep_gemm")
+              "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C", "deep_gemm._C")
 
 
 def moe_layer_facts(name: str, layer) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 """GLM-5 and DeepSeek-V3.2 (DeepSeek sparse attention) with EAGLE-3 on a GPU.
 
 DSA runs only with MLA on, in 16-bit, through the FLASHMLA_SPARSE backend and
-the indexer's DeepGEMM/fp8 kernels (a GPU with the real wheel; on the lent
-H200, the stand-ins of tools/gpu_harness/dsa_ops.py with
-EAGLE3_HARNESS_DSA=1). bf16, eager (EAGLE3_GPU_PROFILE=eager).
+the indexer's DeepGEMM/fp8 kernels (a GPU with the real wheel and deep_gemm;
+on the lent H200, kernels.py's build, DeepGEMM included, with
+EAGLE3_HARNESS_DSA=1 for FlashMLA's sparse kernels, which have no obtainable
+source: tools/gpu_harness/dsa_ops.py). bf16, eager (EAGLE3_GPU_PROFILE=eager).
 
 1. The aux states are right (tools/gpu_harness/dsa_check.py): a tiny target
    with the published attention geometry and index_topk 128 serves a
@@ -39,13 +40,11 @@ def _tool(name):
 @pytest.fixture(autouse=True)
 def _eager_bf16(monkeypatch):
     monkeypatch.setenv("EAGLE3_GPU_PROFILE", "eager")
-    # vllm._C first: on the H200 harness, dsa_sitecustomize.py installs the DeepGEMM stand-in after it.
-    import vllm._C  # noqa: F401
     from vllm.utils.import_utils import has_deep_gemm
 
     if not has_deep_gemm():
-        pytest.skip("the DSA indexer needs DeepGEMM (pip install deep_gemm; on the "
-                    "lent H200, EAGLE3_HARNESS_DSA=1 gives its stand-in)")
+        pytest.skip("the DSA indexer needs DeepGEMM: install deep_gemm (v0.16.0's "
+                    "tools/install_deepgemm.sh), or build it with tools/gpu_harness/kernels.py")
 
 
 @pytest.mark.parametrize("kind", KINDS)
