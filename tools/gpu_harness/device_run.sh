@@ -3,7 +3,7 @@
 # The whole GPU harness run on the lent device, from the repository root:
 #   bash tools/gpu_harness/device_run.sh [STAGE...]
 # Stages (default: ops e2e bench): setup always runs first.
-#   ops    CPU+CUDA tests of the DSA stand-ins (tests/e2e/gpu/test_harness_dsa_ops.py;
+#   ops    the built DeepGEMM and the FlashMLA stand-ins (tests/e2e/gpu/test_harness_dsa_ops.py;
 #          OPS_K narrows them with pytest -k)
 #   e2e    pytest -m gpu tests/e2e/gpu (results JSON under $OUT/results); if it
 #          fails inside torch.compile it is rerun once with TORCHDYNAMO_DISABLE=1
@@ -85,7 +85,7 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >>"$OUT/setup.log" 2>&1
 for s in $STAGES; do
   case $s in
-    ops) stage ops ${OPS_LIMIT_S:-150} "$OUT/ops.log" python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/gpu/test_harness_dsa_ops.py ${OPS_K:+-k "$OPS_K"} ;;
+    ops) stage ops ${OPS_LIMIT_S:-150} "$OUT/ops.log" python3 -m pytest -q -p no:cacheprovider -rA tests/e2e/gpu/test_harness_dsa_ops.py ${OPS_K:+-k "$OPS_K"} ;;
     e2e)
       stage e2e ${E2E_LIMIT_S:-330} "$OUT/e2e.log" python3 -m pytest -v -s -rA -p no:cacheprovider -o faulthandler_timeout=120 -m gpu ${E2E_TESTS:-tests/e2e/gpu --deselect tests/e2e/gpu/test_eagle3_acceptance.py}
       if (( $? != 0 )) && grep -qE "torch\._dynamo|torch\._inductor|BackendCompilerFailed" "$OUT/e2e.log"; then
@@ -115,8 +115,9 @@ for s in $STAGES; do
     cache) stage cache ${CACHE_LIMIT_S:-300} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" ${CACHE_ARGS:-} ;;
     dsa-*)
       # DSA targets through the GPU suite (tests/e2e/gpu/test_eagle3_dsa.py):
-      # EAGLE3_HARNESS_DSA=1 installs dsa_ops.py's stand-ins; the DeepGEMM
-      # warm-up is for fp8 GEMMs, which these bf16 models have none of.
+      # EAGLE3_HARNESS_DSA=1 installs dsa_ops.py's FlashMLA sparse stand-ins
+      # (no obtainable source); DeepGEMM is the build's. Its warm-up is for
+      # fp8 GEMMs, which these bf16 models have none of.
       stage "$s" ${DSA_LIMIT_S:-540} "$OUT/$s.log" env EAGLE3_HARNESS_DSA=1 VLLM_DEEP_GEMM_WARMUP=skip \
         python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "$(k=${s#dsa-}; echo "${k//-/ and }")" ${DSA_PYTEST_ARGS:-} ;;
     int4|int4-*)

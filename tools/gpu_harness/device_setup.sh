@@ -28,13 +28,12 @@ if [[ -f $KERNELS && $KERNELS == *.tar.xz ]]; then
 fi
 [[ -f $KERNELS/kernels.json ]] || { echo "KERNELS=$KERNELS holds no kernels.json: run kernels.py build" >&2; exit 1; }
 cp -r "$KERNELS/vllm/." "$SITE/vllm/"
-# DeepGEMM, which kernels.py builds beside vLLM's ops (older builds lack it).
+# DeepGEMM, which kernels.py builds beside vLLM's ops. A build from before
+# it was added lacks it; the DSA tests then skip, naming kernels.py.
 if [[ -d $KERNELS/deep_gemm ]]; then rm -rf "$SITE/deep_gemm" && cp -r "$KERNELS/deep_gemm" "$SITE/"; fi
-# FlashMLA sparse (no obtainable pinned source) is not in kernels.py's build,
-# nor DeepGEMM in builds before it was: with EAGLE3_HARNESS_DSA=1 their
-# stand-ins go into every Python process, after the built vllm._C has
-# registered its ops (a built op always wins) and only where no real
-# deep_gemm imports.
+# FlashMLA sparse (no obtainable pinned source) is not in kernels.py's build:
+# with EAGLE3_HARNESS_DSA=1 its stand-ins go into every Python process, after
+# the built vllm._C has registered its ops (a built op always wins).
 cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
 cp tools/gpu_harness/dsa_sitecustomize.py "$SITE/sitecustomize.py"
 rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"

@@ -2,9 +2,7 @@
 """Installed by device_setup.sh as ``sitecustomize.py`` beside built kernels.
 
 FlashMLA's sparse kernels (no obtainable pinned source) are not built by
-kernels.py, nor DeepGEMM's indexer logits in builds from before it built
-DeepGEMM (docs/gpu-dsa.md); a real deep_gemm keeps its place. With
-``EAGLE3_HARNESS_DSA=1`` their stand-ins
+kernels.py (docs/gpu-dsa.md). With ``EAGLE3_HARNESS_DSA=1`` their stand-ins
 (dsa_ops.py, as ``vllm._gpu_harness_dsa_ops``) go into every Python process
 vLLM starts, at interpreter start-up, after the built ``vllm._C`` has
 registered its ops: dsa_ops leaves an op that already exists alone, so a

@@ -6,7 +6,7 @@ real built wheel (``pip install dist/vllm-0.16.0+eagle3...whl``) or, on the
 lent H200, the harness (tools/gpu_harness/device_run.sh) with vLLM's own
 kernels built from the pinned sources. Without a GPU they are skipped with
 the reason, so ``pytest tests/e2e/gpu`` in CI runs the harness's CPU tests:
-the DSA stand-ins (test_harness_dsa_ops.py), their start-up hook, the
+the FlashMLA sparse stand-ins (test_harness_dsa_ops.py), their start-up hook, the
 projection and the step breakdown.
 """
 

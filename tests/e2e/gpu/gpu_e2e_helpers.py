@@ -72,7 +72,7 @@ for _d in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "gpu_harness"):
         sys.path.append(str(_d))
 
 
-# Inputs of the DSA stand-ins' op tests (test_harness_dsa_ops.py).
+# Inputs of the DSA kernels' op tests (test_harness_dsa_ops.py).
 def gen(seed: int, device: str):
     import torch
 
