@@ -4,8 +4,8 @@
 # Builds both wheels (./build.sh, ./build.sh --cpu), makes the test
 # environments under build/venvs (tools/testenv.py), then runs four stages,
 # each reported by pytest itself (JUnit XML and a log in build/reports):
-#   1. the GPU harness's CPU tests (tests/e2e/gpu: the DSA stand-ins for the
-#      two kernels the harness does not build, their start-up hook, the
+#   1. the GPU harness's CPU tests (tests/e2e/gpu: the stand-ins for
+#      FlashMLA's sparse kernels, which have no obtainable source, their start-up hook, the
 #      projection and the step profile; the tests that need a GPU are
 #      collected and reported as skipped);
 #   2. vLLM v0.16.0's own tests from the sdist, patched vs stock: no failure
@@ -53,7 +53,7 @@ echo "== 3/4 the series: unit and end-to-end on the patched CPU engine =="
 EAGLE3_STACK_VARIANT=cpu pytest_in tests/models tests/v1 tests/transformers_utils \
   tests/e2e/cpu --junitxml="$REPORTS/series.xml" | tee "$REPORTS/series.log" || status=1
 
-echo "== 1/4 GPU harness: CPU tests (DSA stand-ins, projection, step profile) =="
+echo "== 1/4 GPU harness: CPU tests (FlashMLA stand-ins, projection, step profile) =="
 wait $harness || status=1
 cat "$REPORTS/harness.log"
 echo "== 2/4 vLLM v0.16.0's own tests from the sdist, patched vs stock =="
