@@ -278,8 +278,9 @@ def install() -> list[str]:
     wheel's ``flash_mla_interface`` and its calls reach
     ``torch.ops._flashmla_C.*`` registered here. This also makes the dense
     FlashMLA backend look available, and its kernels (``dense_decode_fwd``,
-    ``_flashmla_extension_C``) are NOT stood in: dense MLA models must pick
-    another MLA backend explicitly.
+    ``_flashmla_extension_C``) are NOT stood in: on SM90 vLLM ranks the built
+    FLASH_ATTN_MLA first, and a dense MLA model that falls past it to
+    FLASHMLA must force TRITON_MLA (docs/gpu-dsa.md).
 
     Nothing here stands in for DeepGEMM: without a built ``deep_gemm``,
     vLLM's ``has_deep_gemm()`` is False and the DSA tests say so.
