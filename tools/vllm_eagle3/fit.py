@@ -1,7 +1,6 @@
 """Does an EAGLE-3 drafter fit its target? ``check`` (configs and safetensors
-headers, never the weights) and ``calibrate`` (measured acceptance under both
-layer numberings). The CLI is ``python -m tools.eagle3_layers``; its
-docstring and README.md say how to read the output.
+headers, never the weights, no device needed) and ``calibrate`` (measured
+acceptance under each reading of the drafter's layer ids).
 
 Everything is asked of the installed vLLM where it can be: the drafter config
 is read by ``SpeculativeConfig``, the class by ``ModelRegistry``, and which
@@ -14,15 +13,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tools._common import StackError
+from ._base import (DEEPSEEK_FAMILY, DEFAULT_IDS_TEXT, NESTED, TOP, ToolError,
+                    default_aux_ids, device_problem, read_config, read_json)
+from .layers import convert, set_ids_in_place, write_ids_copy
 
-TOP = "eagle_aux_hidden_state_layer_ids"
-NESTED = "eagle_config." + TOP
 # safetensors' dtype names (the header's "dtype" field).
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
@@ -44,7 +44,7 @@ def read_headers(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(read_json(index).get("weight_map", {}).values()))
     else:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     out: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -56,7 +56,7 @@ def read_headers(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                     out[key] = (tuple(part.get_shape()), ST_DTYPES.get(part.get_dtype(),
                                                                        part.get_dtype()))
         except Exception as e:  # safetensors raises its own error types
-            raise StackError(f"{directory / name}: not a readable safetensors file ({e})")
+            raise ToolError(f"{directory / name}: not a readable safetensors file ({e})")
     return out
 
 
@@ -70,8 +70,6 @@ def _ckpt_key(name: str) -> str:
 @contextlib.contextmanager
 def _quiet_stdout() -> Iterator[None]:
     """gloo prints a line per process group on file descriptor 1, into the report."""
-    import sys
-
     sys.stdout.flush()
     saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
     try:
@@ -126,13 +124,13 @@ def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tup
         tcfg = ModelConfig(model=str(target), tokenizer=str(target), skip_tokenizer_init=True,
                            dtype="auto", trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise StackError(f"vLLM cannot read the target config {target}: {e}") from None
+        raise ToolError(f"vLLM cannot read the target config {target}: {e}") from None
     try:
         spec = SpeculativeConfig(method="eagle3", model=str(drafter), num_speculative_tokens=3,
                                  target_model_config=tcfg,
                                  target_parallel_config=ParallelConfig())
     except Exception as e:
-        raise StackError(f"vLLM refuses the drafter config {drafter}: {' '.join(str(e).split())}") from None
+        raise ToolError(f"vLLM refuses the drafter config {drafter}: {' '.join(str(e).split())}") from None
     return tcfg, spec
 
 
@@ -153,11 +151,11 @@ def _engine_id_check_reported(drafter: Path, target: Path, trust_remote_code: bo
         return
     try:
         configs(drafter, target, trust_remote_code)
-    except StackError as e:
+    except ToolError as e:
         with mock.patch.object(SpeculativeConfig, "_verify_eagle3_draft", lambda self: None):
             try:
                 configs(drafter, target, trust_remote_code)
-            except StackError:
+            except ToolError:
                 yield  # refused for another reason: _check reports it as before
                 return
             msg = str(e).split(": ", 1)[-1]
@@ -174,33 +172,70 @@ def engine_ids(hf: Any, n: int) -> tuple[tuple[int, ...], str]:
     from vllm.config.speculative import get_eagle3_aux_layer_ids
 
     found = get_eagle3_aux_layer_ids(hf)
-    if found is None:  # DeepseekV2ForCausalLM.get_eagle3_aux_hidden_state_layers
-        return (2, n // 2, n - 3), f"the target's default (2, n//2, n-3), n = {n}"
+    if found is None:  # the target model's get_eagle3_aux_hidden_state_layers
+        return default_aux_ids(n), f"the target's default {DEFAULT_IDS_TEXT}, n = {n}"
     return tuple(found[0]), ("nested " if found[1] == NESTED else "top-level ") + found[1]
 
 
 class Report:
+    """The lines ``check`` prints, each also kept as a record for --json."""
+
     def __init__(self) -> None:
-        self.lines: list[str] = []
+        self.records: list[dict[str, str]] = []
         self.problems = 0
         self.blamed: set[str] = set()
+        self.header: str | None = None
+
+    @property
+    def lines(self) -> list[str]:
+        out = [self.header] if self.header else []
+        for r in self.records:
+            text = {"ok": "ok    ", "warn": "warn  ", "fail": "FAIL  ",
+                    "verdict": ""}[r["status"]] + r["message"]
+            out.append(text + (f"; fix: {r['fix']}" if r.get("fix") else ""))
+        return out
 
     def ok(self, msg: str) -> None:
-        self.lines.append(f"ok    {msg}")
+        self.records.append({"status": "ok", "message": msg})
 
-    def warn(self, msg: str) -> None:
-        self.lines.append(f"warn  {msg}")
+    def warn(self, msg: str, fix: str | None = None) -> None:
+        self.records.append({"status": "warn", "message": msg, **({"fix": fix} if fix else {})})
 
     def fail(self, msg: str, fix: str, *tensors: str) -> None:
         """``tensors``: checkpoint names (or name prefixes) this line already
         explains; the load check names no other problem with them."""
         self.problems += 1
         self.blamed.update(_ckpt_key(t) for t in tensors)
-        self.lines.append(f"FAIL  {msg}; fix: {fix}")
+        self.records.append({"status": "fail", "message": msg, "fix": fix})
 
     def explained(self, name: str) -> bool:
         key = _ckpt_key(name).replace("draft_id_to_target_id", "d2t")
         return any(key.startswith(b) for b in self.blamed)
+
+
+@contextlib.contextmanager
+def _a_platform_to_build_on() -> Iterator[None]:
+    """``check`` builds the drafter class on the meta device: no kernel runs
+    and no memory is taken, but vLLM's layers ask the platform which
+    attention backend to build. The CUDA wheel on a machine without a GPU has
+    none (UnspecifiedPlatform: "Invalid attention backend for None"), so
+    there the CPU platform answers, as it does for the CPU build. The verdicts
+    do not depend on it: weight names and shapes are the same under every
+    backend (MLA is checked off, below)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_unspecified():
+        yield
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    # Every module holds the same platform object: change what it is.
+    was = current_platform.__class__
+    current_platform.__class__ = CpuPlatform
+    try:
+        yield
+    finally:
+        current_platform.__class__ = was
 
 
 def _build_on_meta(cls: type, vllm_config: Any) -> Any:
@@ -276,22 +311,22 @@ def _load_on_meta(cls: type, vllm_config: Any, headers: dict, rep: Report) -> No
                "needs is missing")
 
 
-def check(drafter: Path, target: Path, trust_remote_code: bool = False) -> tuple[list[str], int]:
-    """Lines to print and the number of problems."""
+def check(drafter: Path, target: Path, trust_remote_code: bool = False) -> Report:
+    """The report: its lines and problems."""
     drafter, target = Path(drafter), Path(target)
-    for what, d in (("drafter", drafter), ("target", target)):
-        if not (d / "config.json").is_file():
-            raise StackError(f"{d}/config.json does not exist: pass the {what}'s directory")
+    # Malformed files are named with line and column before vLLM reads them.
+    read_config(drafter, "drafter")
+    read_config(target, "target")
     # The drafter classes name their weights the same with MLA on or off, and
     # the CPU platform cannot build MLA attention: check with it off.
     refusals: list[str] = []
-    with _env(VLLM_MLA_DISABLE="1"), _one_process_world(), \
+    with _env(VLLM_MLA_DISABLE="1"), _a_platform_to_build_on(), _one_process_world(), \
             _engine_id_check_reported(drafter, target, trust_remote_code, refusals):
         return _check(drafter, target, trust_remote_code, refusals)
 
 
 def _check(drafter: Path, target: Path, trust_remote_code: bool,
-           refusals: list[str]) -> tuple[list[str], int]:
+           refusals: list[str]) -> Report:
     from vllm.config import (CacheConfig, CompilationConfig, CompilationMode, DeviceConfig,
                              VllmConfig)
     from vllm.model_executor.models import deepseek_eagle3
@@ -300,10 +335,10 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
     rep = Report()
     try:
         tcfg, spec = configs(drafter, target, trust_remote_code)
-    except StackError as e:
+    except ToolError as e:
         if "are not supported for now" not in str(e):
             raise
-        archs = json.loads((drafter / "config.json").read_text()).get("architectures")
+        archs = read_config(drafter, "drafter").get("architectures")
         rep.fail(f"architectures {archs} resolve to no vLLM class",
                  "set architectures to LlamaForCausalLMEagle3 (Llama draft layer) or "
                  "Eagle3DeepseekV2ForCausalLM (DeepSeek MLA draft layer)")
@@ -313,8 +348,8 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
     draft = spec.draft_model_config
     hf, text = draft.hf_config, tcfg.hf_text_config
     n, t_hidden, t_vocab = text.num_hidden_layers, tcfg.get_hidden_size(), text.vocab_size
-    rep.lines.append(f"drafter {drafter} -> target {target} ({text.model_type}, {n} layers, "
-                     f"hidden {t_hidden}, vocab {t_vocab})")
+    rep.header = (f"drafter {drafter} -> target {target} ({text.model_type}, {n} layers, "
+                  f"hidden {t_hidden}, vocab {t_vocab})")
 
     archs = list(getattr(hf, "architectures", None) or [])
     try:
@@ -349,6 +384,12 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
                  "the drafter cannot be served as trained")
     else:
         rep.ok(f"aux ids {list(ids)} from {source}: in [0, {n}], ascending")
+    if not source.startswith(("top", "nested")) and text.model_type in DEEPSEEK_FAMILY:
+        rep.warn(f"the drafter names no aux ids ({TOP} nor {NESTED}), so vLLM feeds it the "
+                 f"{text.model_type} target's default {list(ids)} {DEFAULT_IDS_TEXT}; "
+                 "a drafter trained on other layers drafts almost nothing",
+                 f"put the training run's ids in the config (`convert --ids`), or run "
+                 f"`calibrate` to measure which reading fits")
     if source.startswith("nested"):
         rep.warn(f"ids only in {NESTED}, which SGLang, SpecForge, TorchSpec training and "
                  f"ModelOpt number by output: as read, inputs of layers {list(ids)}; as outputs, "
@@ -480,10 +521,11 @@ def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
         rep.ok(f"weights stored as {', '.join(dtypes)}, served as the target's dtype")
 
 
-def _finish(rep: Report) -> tuple[list[str], int]:
-    rep.lines.append("the pair fits" if not rep.problems else
-                     f"{rep.problems} problem{'s' * (rep.problems > 1)}: the pair does not fit")
-    return rep.lines, rep.problems
+def _finish(rep: Report) -> Report:
+    rep.records.append({"status": "verdict", "message": "the pair fits" if not rep.problems else
+                        f"{rep.problems} problem{'s' * (rep.problems > 1)}: the pair does "
+                        "not fit"})
+    return rep
 
 
 # ------------------------------------------------------------------ calibrate
@@ -533,22 +575,32 @@ class Acceptance:
                 f"over {self.drafts} drafts; accepted at position 1..{len(self.per_pos)}: {rates}")
 
 
-def verdict(results: dict[str, Acceptance | None]) -> tuple[str, str]:
-    """(verdict, why). A reading wins when its mean acceptance length beats
-    the other's by at least MIN_GAP and by 3 standard errors of the
-    difference; a reading the target cannot capture (an id past its last
-    layer) loses only if the other beats no acceptance at all by the same
+def verdict_detail(results: dict[str, Acceptance | None]) -> dict[str, Any]:
+    """The best reading against the runner-up. A reading wins when its mean
+    acceptance length beats the runner-up's by at least MIN_GAP and by 3
+    standard errors of the difference; a reading the target cannot capture
+    (None: an id past its last layer) is scored as a drafter that never hits,
+    so it loses only to a reading that beats no acceptance at all by the same
     margin."""
-    a, b = results["input-of-layer"], results["output-of-layer"]
-    zero = Acceptance(max(1, (a or b).drafts), [0] * K)  # a drafter that never hits
-    a, b = a or zero, b or zero
+    measured = next(a for a in results.values() if a is not None)
+    zero = Acceptance(max(1, measured.drafts), [0] * K)
+    full = {r: a or zero for r, a in results.items()}
+    best, second = sorted(full, key=lambda r: -full[r].mean_length())[:2]
+    a, b = full[second], full[best]
     gap = b.mean_length() - a.mean_length()
     se = (a.variance() / max(1, a.drafts) + b.variance() / max(1, b.drafts)) ** 0.5
     need = max(MIN_GAP, 3 * se)
-    why = f"difference {gap:+.2f} (output - input), needed {need:.2f}"
-    if abs(gap) < need:
-        return "undetermined", why
-    return ("output-of-layer" if gap > 0 else "input-of-layer"), why
+    return {"best": best, "runner_up": second, "margin": round(gap, 4),
+            "needed": round(need, 4),
+            "verdict": best if gap >= need else "undetermined",
+            "why": f"{best} beats {second} by {gap:.2f} in mean acceptance length, "
+                   f"needed {need:.2f}"}
+
+
+def verdict(results: dict[str, Acceptance | None]) -> tuple[str, str]:
+    """(verdict, why): verdict_detail's."""
+    d = verdict_detail(results)
+    return d["verdict"], d["why"]
 
 
 def _chained_drafts(model: Any, tokens: Any, fused: Any, start: int, k: int) -> list[int]:
@@ -646,7 +698,8 @@ def _worker_score(worker: Any, drafter: str, layers: tuple[int, ...],
             if isinstance(child, Attention):
                 object.__setattr__(module, name, _CausalAttention(child))
     results = {}
-    with torch.inference_mode():
+    bar = _progress(len(readings) * len(seqs), "calibrate: replaying drafts (reading x prompt)")
+    with torch.inference_mode(), bar:
         for reading, ids in readings.items():
             drafts, per_pos = 0, [0] * k
             cols = [layers.index(i) for i in ids]
@@ -664,6 +717,7 @@ def _worker_score(worker: Any, drafter: str, layers: tuple[int, ...],
                         for j in range(a):
                             per_pos[j] += 1
                         t += a + 1  # the target keeps a drafts and adds its own token
+                bar.update(1)
             results[reading] = Acceptance(drafts, per_pos)
     return results
 
@@ -687,7 +741,7 @@ def _rows(log: list[dict[str, Any]], prompts: list[list[int]], outputs: list[lis
         tokens = prompt + output
         req = next((r for r, ids in fed.items() if ids == tokens[:-1]), None)
         if req is None:
-            raise StackError("the engine's captured rows match no prompt: was prefix caching "
+            raise ToolError("the engine's captured rows match no prompt: was prefix caching "
                              "on, or did a request stop early?")
         seqs.append({"tokens": torch.tensor(tokens), "prompt_len": len(prompt),
                      "aux": [torch.cat(col) for col in zip(*aux.pop(req))]})
@@ -701,9 +755,9 @@ def _read_prompts(path: Path | None) -> list[str]:
     try:
         prompts = [line for line in Path(path).read_text().splitlines() if line.strip()]
     except OSError as e:
-        raise StackError(f"cannot read --prompts {path}: {e}") from None
+        raise ToolError(f"cannot read --prompts {path}: {e}") from None
     if not prompts:
-        raise StackError(f"--prompts {path} holds no prompt (one a line)")
+        raise ToolError(f"--prompts {path} holds no prompt (one a line)")
     return prompts
 
 
@@ -750,32 +804,38 @@ def _replay(drafter: Path, target: Path, readings: dict[str, tuple[int, ...]],
 
 
 def _spec_decode(drafter: Path, target: Path, readings: dict[str, tuple[int, ...]],
-                 prompts: list[str], max_tokens: int, engine_args: dict[str, Any],
-                 has_ids: bool) -> dict[str, Acceptance]:
+                 prompts: list[str], max_tokens: int, engine_args: dict[str, Any]
+                 ) -> dict[str, Acceptance]:
     """The GPU path: serve the target with the drafter, once per reading (a
-    converted copy with the reading's ids top-level), and read the engine's
+    copy with the reading's ids as vLLM ids), and read the engine's
     own spec-decode counters."""
     from vllm import SamplingParams
 
-    from tools.eagle3_layers import convert
-
     results = {}
-    for reading, ids in readings.items():
+    for reading, ids in _progress(readings.items(), "calibrate: serving each reading",
+                                  total=len(readings)):
         with tempfile.TemporaryDirectory() as tmp:
-            copy = Path(tmp) / "drafter"
-            convert(drafter, reading, out=copy, target=target,
-                    ids=None if has_ids else tuple(k - (reading == READINGS[1]) for k in ids))
+            copy = write_ids_copy(drafter, ids, Path(tmp) / "drafter")
             spec = {"method": "eagle3", "model": str(copy), "num_speculative_tokens": K}
             with _engine(model=str(target), speculative_config=spec, seed=0,
                          disable_log_stats=False, **engine_args) as llm:
                 # Differences: the metrics live in the process-wide registry.
                 before = _spec_counts(llm)
                 llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                     ignore_eos=True), use_tqdm=False)
+                                                     ignore_eos=True), use_tqdm=True)
                 after = _spec_counts(llm)
         results[reading] = Acceptance(after[0] - before[0],
                                       [a - b for a, b in zip(after[1], before[1])])
     return results
+
+
+def _progress(it: Any, desc: str, total: int | None = None) -> Any:
+    """A tqdm bar on stderr (vLLM's own dependency); stdout keeps the report."""
+    from tqdm import tqdm
+
+    if isinstance(it, int):
+        return tqdm(total=it, desc=desc, file=sys.stderr, leave=False)
+    return tqdm(it, desc=desc, total=total, file=sys.stderr, leave=False)
 
 
 def _spec_counts(llm: Any) -> tuple[int, list[int]]:
@@ -786,16 +846,24 @@ def _spec_counts(llm: Any) -> tuple[int, list[int]]:
             [int(x) for x in per_pos.values] if per_pos else [0] * K)
 
 
+def candidate_name(ids: tuple[int, ...]) -> str:
+    return "ids " + ",".join(map(str, ids))
+
+
 def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
               max_tokens: int = 64, write: bool = False, via: str = "auto",
-              engine_args: dict[str, Any] | None = None) -> tuple[list[str], str]:
-    """Lines to print and the verdict."""
+              engine_args: dict[str, Any] | None = None,
+              candidates: list[tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """Measures every reading; the result ``--json`` prints, with the lines
+    to print under "lines" and the verdict under "verdict"."""
+    drafter, target = Path(drafter), Path(target)
+    read_config(drafter, "drafter")
+    read_config(target, "target")
+    if (why := device_problem()) is not None:
+        raise ToolError(f"calibrate runs the target model, and {why}. `check` needs no "
+                        "device")
     from vllm.platforms import current_platform
 
-    drafter, target = Path(drafter), Path(target)
-    for what, d in (("drafter", drafter), ("target", target)):
-        if not (d / "config.json").is_file():
-            raise StackError(f"{d}/config.json does not exist: pass the {what}'s directory")
     engine_args = dict(engine_args or {})
     trust = bool(engine_args.get("trust_remote_code"))
     tcfg, spec = configs(drafter, target, trust)
@@ -803,12 +871,21 @@ def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
     try:
         ids, source = engine_ids(spec.draft_model_config.hf_config, n)
     except ValueError as e:
-        raise StackError(f"vLLM refuses the drafter's ids: {e}") from None
+        raise ToolError(f"vLLM refuses the drafter's ids: {e}") from None
     wanted = {READINGS[0]: ids, READINGS[1]: tuple(k + 1 for k in ids)}
+    for cand in candidates or ():
+        if len(cand) != len(ids):
+            raise ToolError(f"--candidates {','.join(map(str, cand))} names {len(cand)} ids; "
+                            f"the drafter reads {len(ids)} ({list(ids)}, {source})")
+        if list(cand) != sorted(set(cand)):
+            raise ToolError(f"--candidates {','.join(map(str, cand))} is not strictly "
+                            "ascending: vLLM returns the states in layer order")
+        if cand not in wanted.values():
+            wanted[candidate_name(cand)] = cand
     readings = {r: v for r, v in wanted.items() if all(0 <= k <= n for k in v)}
     if not readings:
-        raise StackError(f"aux ids {list(ids)} ({source}) are outside [0, {n}] under either "
-                         "reading: is --target the drafter's target? (`check` says more)")
+        raise ToolError(f"aux ids {list(ids)} ({source}) are outside [0, {n}] under every "
+                        "reading: is --target the drafter's target? (`check` says more)")
     if via == "auto":
         via = "replay" if current_platform.is_cpu() else "spec-decode"
     texts = _read_prompts(prompts)
@@ -819,23 +896,39 @@ def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
     if via == "replay":
         results = _replay(drafter, target, readings, texts, max_tokens, engine_args)
     else:
-        results = _spec_decode(drafter, target, readings, texts, max_tokens, engine_args,
-                               source.startswith(("top", "nested")))
+        results = _spec_decode(drafter, target, readings, texts, max_tokens, engine_args)
     if not any(r.drafts for r in results.values()):
-        raise StackError(f"no draft was made in {max_tokens} tokens per prompt: raise "
-                         "--max-tokens (each draft needs k + 1 tokens of continuation)")
+        raise ToolError(f"no draft was made in {max_tokens} tokens per prompt: raise "
+                        "--max-tokens (each draft needs k + 1 tokens of continuation)")
+    width = max(len(r) for r in wanted)
+    report: list[dict[str, Any]] = []
     for reading, v in wanted.items():
-        label = f"{reading:>15} {list(v)}"
-        lines.append(results[reading].line(label) if reading in results else
+        label = f"{reading:>{width}} {list(v)}"
+        got = results.get(reading)
+        lines.append(got.line(label) if got else
                      f"{label}: not capturable, id {max(v)} is past the last layer ({n})")
-    result, why = verdict({r: results.get(r) for r in READINGS})
-    lines += [f"margin rule: {why}", f"verdict: {result}"]
+        report.append({"reading": reading, "ids": list(v), "capturable": got is not None,
+                       **({"drafts": got.drafts, "mean_acceptance_length":
+                           round(got.mean_length(), 4), "accepted_per_position": got.per_pos}
+                          if got else {})})
+    detail = verdict_detail({r: results.get(r) for r in wanted})
+    lines += [f"margin rule: {detail['why']}", f"verdict: {detail['verdict']}"]
+    result = {"drafter": str(drafter), "target": str(target), "target_layers": n,
+              "aux_ids": list(ids), "source": source, "prompts": len(texts),
+              "max_tokens": max_tokens, "k": K, "via": via, "readings": report,
+              **{k: detail[k] for k in ("best", "runner_up", "margin", "needed", "verdict")},
+              "written": None, "lines": lines}
     if write:
-        if result == "undetermined":
-            raise StackError("\n".join(lines) + "\nnothing written: the verdict is "
-                             "undetermined (more or longer prompts narrow the margin)")
-        from tools.eagle3_layers import convert
-
+        if detail["verdict"] == "undetermined":
+            raise ToolError("\n".join(lines) + "\nnothing written: the verdict is "
+                            "undetermined (more or longer prompts narrow the margin)")
         has_ids = source.startswith(("top", "nested"))
-        lines += convert(drafter, result, target=target, ids=None if has_ids else ids)
-    return lines, result
+        if detail["verdict"] in READINGS:
+            written = convert(drafter, detail["verdict"], target=target,
+                              ids=None if has_ids else ids)
+        else:
+            written = set_ids_in_place(drafter, wanted[detail["verdict"]],
+                                       how="calibrate --candidates")
+        lines += written
+        result["written"] = written
+    return result

@@ -1,0 +1,281 @@
+"""The ``vllm-eagle3`` command: one parser, one exit-status rule."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._base import (CANNOT, OK, PROBLEM, ToolError, children_never_shadowed,
+                    drop_source_trees_from_path, dump_json, parse_ids)
+
+PROG = "vllm-eagle3"
+EXIT = """exit status:
+  0  {ok}
+  1  {problem}
+  2  could not {verb}: a missing or malformed file, a bad argument, or no vLLM
+     that can do it (one line on stderr names the problem and the fix)"""
+
+MAIN = """\
+The drafter tools of the EAGLE-3 series for vLLM 0.16.0: what an EAGLE-3
+drafter is fed, whether it fits its target, and which layer numbering it was
+trained in. They ask the installed vLLM (the series' wheel): run them with
+the Python of the environment that serves. show, check and convert read
+configs and safetensors headers only (no GPU, no weights); calibrate runs
+the target model (a GPU, or the CPU build).
+
+  vllm-eagle3 doctor                                  is the series installed?
+  vllm-eagle3 show DRAFTER [--target TARGET]          which layers vLLM feeds it
+  vllm-eagle3 check DRAFTER --target TARGET           does it fit its target?
+  vllm-eagle3 convert DRAFTER --from output-of-layer  ids into vLLM's numbering
+  vllm-eagle3 calibrate DRAFTER --target TARGET       which numbering, measured
+
+`vllm-eagle3 SUBCOMMAND --help` explains each one's arguments, output and
+exit status: 0 fits (or done), 1 a problem found, 2 could not check."""
+
+DOCTOR = """\
+Does the vLLM this Python imports carry the EAGLE-3 series? Asks vLLM itself
+(registry, SpeculativeConfig, config classes) about what each patch adds.
+
+output:
+  vllm: PATH (version V)     the vLLM that was imported
+  PROBLEM  ...; fix: ...     vllm was imported from a source tree, not the
+                             installed wheel (PYTHONPATH, or the working
+                             directory)
+  warn     ...               the working directory holds a vllm/ source tree
+                             that a `vllm serve` started here would import
+  ok       PATCH: what       one line per patch of the series: present
+  MISSING  PATCH: error      ... or missing
+  summary: N of M patches present
+  then, with --drafter, what `show` prints"""
+
+SHOW = """\
+Which target layers vLLM feeds the drafter: its aux ids, where they come from
+(top-level eagle_aux_hidden_state_layer_ids, nested eagle_config..., or the
+target's default (2, n//2, n-3)), and each id read both ways. In vLLM an aux
+id k is the INPUT of target layer k; SGLang, SpecForge and speculators' data
+generation count the OUTPUT of layer k, which is vLLM's id k + 1.
+
+output:
+  drafter: DIR (architectures: [...])
+  target: DIR, N layers: ids 0..N are valid         (with --target)
+  aux ids: [a, b, c]  (source: ...)
+  vLLM captures: input of layer a, ...
+    equivalently: output of layer a-1, ...
+    id   a: ... = ...                               one line per id
+  ids [...] are outside [0, N] / not strictly ascending   (problems)"""
+
+CHECK = """\
+Preflight: does the drafter fit the target? Reads both configs through vLLM
+(SpeculativeConfig, as the engine does) and the drafter's safetensors
+headers, never the weights; builds vLLM's drafter class on the meta device
+and runs its own load_weights over tensors of the header's shapes. Needs no
+GPU: the verdicts are the same with the CUDA wheel on a machine without one.
+
+output (one line per check):
+  drafter DIR -> target DIR (model_type, N layers, hidden H, vocab V)
+  ok    WHAT                     a check passed
+  warn  WHAT[; fix: FIX]         served, but worth a look (ids only nested,
+                                 or none at all on a DeepSeek-family target)
+  FAIL  PROBLEM; fix: FIX        the engine would refuse the pair, or serve it
+                                 wrongly
+  the pair fits | N problems: the pair does not fit"""
+
+CONVERT = """\
+Write the drafter's ids in vLLM's numbering into config.json: top level, and
+into eagle_config where that holds ids. --from says how the config (or --ids)
+counts: output-of-layer adds 1 to each id, input-of-layer keeps them. The
+conversion is recorded in the config (vllm_eagle3_converted), and a converted
+config is refused, so ids are never shifted twice. In place it keeps
+config.json.orig; with --out it writes a copy (weights hard-linked).
+
+output:
+  DIR/config.json: eagle_aux_hidden_state_layer_ids = [...]
+    from [...] (where) counted as CONVENTION: each id + 1 | unchanged
+    vLLM captures the inputs of layers [...] = outputs of layers [...]"""
+
+CALIBRATE = """\
+Which layers was the drafter trained on? Measures greedy acceptance (k = 3)
+under each reading of its ids: input-of-layer (vLLM ids = the ids),
+output-of-layer (ids + 1), and every --candidates list; names the best when
+it beats the runner-up by 0.05 in mean acceptance length and by 3 standard
+errors. Runs the target model: on a GPU it serves the target with the
+drafter once per reading (the engine's spec-decode counters); on the CPU
+build it captures the states in one CPU engine run and replays drafting with
+vLLM's drafter class. A progress bar goes to stderr.
+
+output:
+  drafter DIR, target DIR (N layers): aux ids [...] from SOURCE
+  P prompts x T greedy tokens, k = 3, how it was measured
+  READING [ids]: mean acceptance length L over D drafts; accepted at
+      position 1..3: r1 r2 r3            one line per reading
+  margin rule: BEST beats RUNNER-UP by G in mean acceptance length, needed M
+  verdict: input-of-layer | output-of-layer | ids a,b,c | undetermined"""
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of the lines (the same fields)")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(prog=prog, description=MAIN, formatter_class=fmt)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="SUBCOMMAND")
+
+    def add(name: str, text: str, summary: str, **exit_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=text,
+                              epilog=EXIT.format(**exit_text), formatter_class=fmt)
+
+    dp = add("doctor", DOCTOR, "is the EAGLE-3 series in the vLLM this Python imports?",
+             ok="every patch present, vllm is the installed wheel",
+             problem="a patch missing, or vllm imported from a source tree",
+             verb="import vLLM")
+    dp.add_argument("--drafter", type=Path, metavar="DRAFTER_DIR",
+                    help="an EAGLE-3 drafter's checkpoint directory: also print what vLLM "
+                         "captures for it (as `show`)")
+    dp.add_argument("--target", type=Path, metavar="TARGET_DIR",
+                    help="with --drafter: the target's checkpoint directory (its layer count "
+                         "gives the default ids and the valid range)")
+
+    sp = add("show", SHOW, "which target layers vLLM feeds the drafter",
+             ok="shown", problem="the ids are outside the target or not ascending "
+             "(the engine refuses them)", verb="read the configs")
+    sp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
+                    help="the drafter's checkpoint directory (config.json)")
+    sp.add_argument("--target", type=Path, metavar="TARGET_DIR",
+                    help="the target's checkpoint directory: gives n for the default ids and "
+                         "the range check")
+    _add_json(sp)
+
+    kp = add("check", CHECK, "preflight: does the drafter fit the target? (configs and "
+             "safetensors headers only)", ok="the pair fits (warn lines may remain)",
+             problem="a FAIL line: the pair does not fit", verb="check")
+    kp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
+                    help="the drafter's checkpoint directory (config.json, *.safetensors)")
+    kp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True,
+                    help="the target's checkpoint directory; config.json is all it needs")
+    kp.add_argument("--trust-remote-code", action="store_true",
+                    help="let transformers run the checkpoints' own config code, as "
+                         "`vllm serve --trust-remote-code` does")
+    _add_json(kp)
+
+    cp = add("convert", CONVERT, "write the ids in vLLM's numbering into config.json",
+             ok="written", problem="(not used: a refusal writes nothing and exits 2)",
+             verb="convert")
+    cp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
+                    help="the drafter's checkpoint directory (config.json)")
+    cp.add_argument("--from", dest="convention", required=True,
+                    choices=("output-of-layer", "input-of-layer"),
+                    help="how the config's ids count: output-of-layer (SGLang, SpecForge, "
+                         "speculators) or input-of-layer (vLLM)")
+    cp.add_argument("--ids", type=parse_ids, metavar="K,K,K",
+                    help="the ids the drafter was trained on, for a config that has none")
+    cp.add_argument("--target", type=Path, metavar="TARGET_DIR",
+                    help="refuse ids outside [0, n] for this target")
+    cp.add_argument("--out", type=Path, metavar="DIR",
+                    help="write a converted copy to this new directory instead of "
+                         "converting in place")
+
+    lp = add("calibrate", CALIBRATE, "measure which layers the drafter was trained on",
+             ok="a verdict: one reading wins by the margin",
+             problem="verdict undetermined (more or longer prompts narrow the margin)",
+             verb="measure")
+    lp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
+                    help="the drafter's checkpoint directory")
+    lp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True,
+                    help="the target model's checkpoint directory (weights and tokenizer)")
+    lp.add_argument("--candidates", metavar="IDS;IDS",
+                    type=lambda t: [parse_ids(c, "--candidates") for c in t.split(";")
+                                    if c.strip()],
+                    help="more readings to measure, as vLLM ids, e.g. \"1,29,57;2,30,58\" "
+                         "(for a drafter whose config names no ids, or ids of another run)")
+    lp.add_argument("--prompts", type=Path, metavar="FILE",
+                    help="one prompt a line (default: a built-in set of 8)")
+    lp.add_argument("--max-tokens", type=int, default=64, metavar="T",
+                    help="greedy tokens per prompt (default 64)")
+    lp.add_argument("--write", action="store_true",
+                    help="write the winning ids into config.json as convert does (in place, "
+                         "config.json.orig kept); refused when undetermined")
+    lp.add_argument("--via", choices=("auto", "replay", "spec-decode"), default="auto",
+                    help="auto (default): replay on the CPU build, spec-decode on a GPU")
+    lp.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP",
+                    help="spec-decode: the target's tensor-parallel size")
+    lp.add_argument("--enforce-eager", action="store_true",
+                    help="spec-decode: no torch.compile or CUDA graphs (faster start)")
+    lp.add_argument("--trust-remote-code", action="store_true",
+                    help="let transformers run the checkpoints' own config code")
+    _add_json(lp)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """Parse, run, print; returns the exit status. ToolError propagates (run()
+    prints it)."""
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
+    with children_never_shadowed():
+        return _dispatch(ap, args)
+
+
+def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.cmd == "doctor":
+        if args.target is not None and args.drafter is None:
+            ap.error("doctor: --target needs --drafter (it gives the drafter's default ids)")
+        from .doctor import run as doctor
+
+        return doctor(args.drafter, args.target)
+    if args.cmd in ("show", "convert"):
+        from .layers import convert, show_data, show_lines
+
+        if args.cmd == "convert":
+            print("\n".join(convert(args.drafter, args.convention, out=args.out,
+                                    target=args.target, ids=args.ids)))
+            return OK
+        data = show_data(args.drafter, args.target)
+        print(dump_json(data) if args.json else "\n".join(show_lines(data)))
+        return PROBLEM if data["problems"] else OK
+    # vLLM's log lines would bury the report; its errors still raise.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from .layers import series_reader
+
+    series_reader()
+    if args.cmd == "check":
+        from .fit import check
+
+        rep = check(args.drafter, args.target, args.trust_remote_code)
+        print(dump_json({"header": rep.header, "checks": rep.records[:-1],
+                         "problems": rep.problems, "fits": not rep.problems})
+              if args.json else "\n".join(rep.lines))
+        return PROBLEM if rep.problems else OK
+    from .fit import calibrate
+
+    engine_args = {"tensor_parallel_size": args.tensor_parallel_size,
+                   "trust_remote_code": args.trust_remote_code}
+    if args.enforce_eager:
+        engine_args["enforce_eager"] = True
+    result = calibrate(args.drafter, args.target, prompts=args.prompts,
+                       max_tokens=args.max_tokens, write=args.write, via=args.via,
+                       engine_args=engine_args, candidates=args.candidates)
+    print(dump_json({k: v for k, v in result.items() if k != "lines"}) if args.json
+          else "\n".join(result["lines"]))
+    return PROBLEM if result["verdict"] == "undetermined" else OK
+
+
+def run(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """The console script: errors in one line on stderr, exit status 2."""
+    drop_source_trees_from_path()
+    try:
+        return main(argv, prog)
+    except ToolError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return CANNOT
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def console() -> None:
+    sys.exit(run())
