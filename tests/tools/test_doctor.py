@@ -41,3 +41,20 @@ def test_doctor_reports_every_patch():
     check(None, "ok", 0)
     if stock := os.environ.get("EAGLE3_STOCK_SITE"):
         check(stock, "MISSING", 1)
+
+
+def test_doctor_names_a_source_tree_that_shadows_the_install():
+    """The clone's vllm/ (the unpatched source) first on PYTHONPATH: doctor
+    says vllm is not the installed wheel, and how to fix it."""
+    assert (REPO_ROOT / "vllm" / "__init__.py").is_file()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "doctor.py")],
+                          cwd=REPO_ROOT / "tools", env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"vllm: {REPO_ROOT / 'vllm'} "), proc.stdout + proc.stderr
+    problem = next(x for x in lines if x.startswith("PROBLEM  "))
+    assert f"vllm is imported from {REPO_ROOT / 'vllm'}, which no installed vLLM " \
+        "distribution owns" in problem
+    assert "fix: take that directory off PYTHONPATH" in problem
+    assert proc.returncode == 1

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tools/eagle3_layers.py: `show` (what vLLM captures, and from where) and
-`convert` (output-of-layer ids to vLLM's input-of-layer ids).
+"""`vllm-eagle3 show` (what vLLM captures, and from where) and `convert`
+(output-of-layer ids to vLLM's input-of-layer ids), through the clone's entry
+point tools/eagle3_layers.py (the installed command: test_vllm_eagle3_cli.py).
 
 `show` reads configs through the installed vLLM (get_config, then the series'
 get_eagle3_aux_layer_ids), so its tests need the series. `convert` is plain
@@ -20,7 +21,7 @@ import pytest
 
 from stack_tooling import run_tool
 from tools import eagle3_layers, tiny_checkpoints
-from tools._common import StackError
+from tools.vllm_eagle3._base import CONVERTED, ToolError
 
 TOP = "eagle_aux_hidden_state_layer_ids"
 
@@ -60,7 +61,7 @@ def show(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 
 def refused(*args: str) -> str:
-    with pytest.raises(StackError) as err:
+    with pytest.raises(ToolError) as err:
         eagle3_layers.main(list(args))
     return str(err.value)
 
@@ -129,6 +130,8 @@ def test_convert_in_place_output_of_layer(tmp_path: Path) -> None:
     new = json.loads((d / "config.json").read_text())
     old = json.loads(before)
     assert new[TOP] == new["eagle_config"][TOP] == [3, 31, 59]
+    # The conversion is recorded in the config itself.
+    assert new.pop(CONVERTED) == {"from": "output-of-layer", "trained_ids": [2, 30, 58]}
     assert new["eagle_config"]["use_aux_hidden_state"] is True
     # Nothing else changed, and key order is kept.
     for cfg in (new, old):
@@ -187,8 +190,28 @@ def test_convert_refuses_a_second_in_place_conversion(tmp_path: Path) -> None:
     eagle3_layers.main(["convert", str(d), "--from", "output-of-layer"])
     once = (d / "config.json").read_bytes()
     msg = refused("convert", str(d), "--from", "output-of-layer")
-    assert "config.json.orig exists" in msg and "twice" in msg
+    assert "was converted before" in msg and "twice" in msg and "[2, 4]" in msg
     assert (d / "config.json").read_bytes() == once
+
+
+@pytest.mark.parametrize("second", ["copy-in-place", "copy-out", "input-of-layer"])
+def test_convert_refuses_a_converted_config_whatever_its_name(tmp_path: Path,
+                                                               second: str) -> None:
+    """A copy made with --out holds no config.json.orig: the record in the
+    config itself refuses a second shift ([3, 31, 59] -> [4, 32, 60])."""
+    d = drafter_dir(tmp_path, "d", nested=[2, 30, 58])
+    out = tmp_path / "converted"
+    eagle3_layers.main(["convert", str(d), "--from", "output-of-layer", "--out", str(out)])
+    assert json.loads((out / "config.json").read_text())[TOP] == [3, 31, 59]
+    before = (out / "config.json").read_bytes()
+    args = {"copy-in-place": ["--from", "output-of-layer"],
+            "copy-out": ["--from", "output-of-layer", "--out", str(tmp_path / "again")],
+            "input-of-layer": ["--from", "input-of-layer"]}[second]
+    msg = refused("convert", str(out), *args)
+    assert "was converted before" in msg and "shift them twice" in msg, msg
+    assert "set the ids back to [2, 30, 58]" in msg
+    assert (out / "config.json").read_bytes() == before
+    assert not (tmp_path / "again").exists() and not (out / "config.json.orig").exists()
 
 
 @pytest.mark.parametrize("ids, args, says", [
@@ -224,10 +247,24 @@ def test_convert_requires_the_convention(tmp_path: Path) -> None:
 def test_convert_cli_error_is_one_line(tmp_path: Path) -> None:
     proc = run_tool("eagle3_layers", "convert", str(tmp_path / "missing"), "--from",
                     "output-of-layer")
-    assert proc.returncode == 1
-    assert proc.stderr.startswith("[eagle3-layers] error: ")
+    assert proc.returncode == 2  # could not convert
+    assert proc.stderr.startswith("python -m tools.eagle3_layers: error: ")
     assert "config.json does not exist" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("cmd", ["show", "convert"])
+def test_malformed_json_names_file_line_and_column(tmp_path: Path, cmd: str) -> None:
+    d = drafter_dir(tmp_path, "d", top=[2, 4])
+    text = (d / "config.json").read_text().splitlines()
+    text[3] += " ,"  # a second comma after the 4th line's value
+    (d / "config.json").write_text("\n".join(text) + "\n")
+    try:
+        json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        where = f"{d / 'config.json'}:{e.lineno}:{e.colno}: not valid JSON"
+    msg = refused(cmd, str(d), *(["--from", "output-of-layer"] if cmd == "convert" else []))
+    assert msg.startswith(where), (msg, where)
 
 
 # Published configs (tests/v1/spec_decode/published_configs: repository, path

