@@ -55,9 +55,11 @@ def target_dir(tmp: Path, n: int, nested_text: bool = False) -> Path:
     return d
 
 
-def show(capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    assert eagle3_layers.main(["show", *map(str, args)]) == 0
-    return capsys.readouterr().out
+def show(capsys: pytest.CaptureFixture[str], *args: str, status: int = 0) -> str:
+    code = eagle3_layers.main(["show", *map(str, args)])
+    out = capsys.readouterr().out
+    assert code == status, out
+    return out
 
 
 def refused(*args: str) -> str:
@@ -88,8 +90,20 @@ def refused(*args: str) -> str:
 def test_show(tmp_path: Path, capsys: pytest.CaptureFixture[str], ids: dict, target,
               present: list[str], absent: list[str]) -> None:
     args = [] if target is None else ["--target", target_dir(tmp_path, *target)]
-    out = show(capsys, drafter_dir(tmp_path, "d", **ids), *args)
+    # 1: a problem found (ids the engine refuses at start).
+    status = int(any("are outside" in s or "not strictly ascending" in s for s in present))
+    out = show(capsys, drafter_dir(tmp_path, "d", **ids), *args, status=status)
     assert all(s in out for s in present) and not any(s in out for s in absent), out
+
+
+def test_show_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = drafter_dir(tmp_path, "d", nested=[1, 3, 6])
+    out = show(capsys, d, "--target", target_dir(tmp_path, 6), "--json")
+    data = json.loads(out)
+    assert data["aux_ids"] == [1, 3, 6] and data["target_layers"] == 6
+    assert data["source"] == "nested eagle_config.eagle_aux_hidden_state_layer_ids"
+    assert data["captures"][2] == {"id": 6, "input_of_layer": None, "output_of_layer": 5}
+    assert data["problems"] == []
 
 
 def test_show_conflicting_ids_name_both(tmp_path: Path) -> None:
@@ -297,6 +311,7 @@ def test_published_specforge_deepseek_v3_drafter(
     capsys.readouterr()
     new = json.loads((d / "config.json").read_text())
     assert new[TOP] == new["eagle_config"][TOP] == [2, 30, 58]
+    assert new.pop(CONVERTED) == {"from": "output-of-layer", "trained_ids": [1, 29, 57]}
     assert {k: v for k, v in new.items() if k not in (TOP, "eagle_config")} == {
         k: v for k, v in before.items() if k != "eagle_config"}
     out = show(capsys, d, "--target", target)

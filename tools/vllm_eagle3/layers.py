@@ -14,6 +14,7 @@ the same config twice.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
