@@ -314,13 +314,16 @@ def test_check_json_holds_the_lines(tmp_path: Path, targets: dict[str, Path],
                                     capfd: pytest.CaptureFixture[str]) -> None:
     d = drafter(tmp_path, LLAMA_DS, tensors={"d2t": ((32000,), "F32")})
     code, text = check(capfd, d, targets["deepseek"])
-    assert eagle3_layers.main(["check", str(d), "--target", str(targets["deepseek"]),
-                               "--json"]) == code == 1
-    data = json.loads(capfd.readouterr().out)
+    # A process of its own, as users run it: stdout holds the JSON alone.
+    proc = run_tool("eagle3_layers", "check", str(d), "--target", str(targets["deepseek"]),
+                    "--json")
+    assert proc.returncode == code == 1, proc.stderr
+    data = json.loads(proc.stdout)
     prefix = {"ok": "ok    ", "warn": "warn  ", "fail": "FAIL  "}
     assert [data["header"]] + [prefix[c["status"]] + c["message"]
                                + (f"; fix: {c['fix']}" if "fix" in c else "")
-                               for c in data["checks"]] == text.splitlines()[:-1]
+                               for c in data["checks"]] == [
+        x for x in text.splitlines() if x.startswith(("drafter ", "ok    ", "warn  ", "FAIL  "))]
     assert data["problems"] == 1 and data["fits"] is False
     assert text.splitlines()[-1] == "1 problem: the pair does not fit"
 
@@ -329,7 +332,10 @@ def test_check_json_holds_the_lines(tmp_path: Path, targets: dict[str, Path],
 # (UnspecifiedPlatform, device_type ""). This CPU build resolves CpuPlatform,
 # so the child sets the platform vLLM's detection would have returned there.
 NO_DEVICE = """
+import os
 import sys
+# What the command sets before it imports vLLM (this child imports it first).
+os.environ.update(VLLM_LOGGING_STREAM="ext://sys.stderr", VLLM_LOGGING_LEVEL="ERROR")
 import vllm.platforms as p
 from vllm.platforms.interface import UnspecifiedPlatform
 p._current_platform = UnspecifiedPlatform()
@@ -346,18 +352,21 @@ def run_without_a_device(*args: str, cwd: Path) -> subprocess.CompletedProcess[s
 
 @pytest.mark.parametrize("name", [LLAMA_DS, "torchspec-kimi-k25-eagle3-mla"])
 def test_check_without_a_device_gives_the_same_verdicts(
-        tmp_path: Path, targets: dict[str, Path], capfd: pytest.CaptureFixture[str],
-        name: str) -> None:
+        tmp_path: Path, targets: dict[str, Path], name: str) -> None:
     """Configs and headers need no GPU: every line is the one a machine with a
     device prints (here, the CPU build's). Before: every pair FAILed with
     "Invalid attention backend for None", blaming the config."""
     for tensors in ({}, {"d2t": ((32000,), "F32")} if name == LLAMA_DS else
                     {"midlayer.self_attn.kv_b_proj.weight": None}):
+        (tmp_path / str(len(tensors))).mkdir()
         d = drafter(tmp_path / str(len(tensors)), name, tensors=tensors)
-        code, want = check(capfd, d, targets[DRAFTERS[name]])
-        proc = run_without_a_device("check", str(d), "--target", str(targets[DRAFTERS[name]]),
-                                    cwd=tmp_path)
-        assert (proc.returncode, proc.stdout) == (code, want), proc.stdout + proc.stderr
+        # A process of its own each, as users run it: stdout holds the report alone.
+        args = ("check", str(d), "--target", str(targets[DRAFTERS[name]]))
+        want = run_tool("eagle3_layers", *args)
+        proc = run_without_a_device(*args, cwd=tmp_path)
+        assert (proc.returncode, proc.stdout) == (want.returncode, want.stdout), \
+            proc.stdout + proc.stderr
+        assert want.returncode == (1 if tensors else 0), want.stdout
         assert "Invalid attention backend" not in proc.stdout + proc.stderr
 
 

@@ -221,6 +221,10 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    # Before vLLM is imported: its log lines go to stderr (stdout is the
+    # report, or the JSON), and only errors unless asked for more.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if args.cmd == "doctor" else "ERROR")
     if args.cmd == "doctor":
         if args.target is not None and args.drafter is None:
             ap.error("doctor: --target needs --drafter (it gives the drafter's default ids)")
@@ -237,8 +241,6 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         data = show_data(args.drafter, args.target)
         print(dump_json(data) if args.json else "\n".join(show_lines(data)))
         return PROBLEM if data["problems"] else OK
-    # vLLM's log lines would bury the report; its errors still raise.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from .layers import series_reader
 
     series_reader()
