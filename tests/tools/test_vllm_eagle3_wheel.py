@@ -46,11 +46,12 @@ def make_venv(root: Path, vllm_wheel: Path) -> Path:
     py = root / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "zz_cpu_venv_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     proc = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check",
                            "--python", str(py), "install", "--no-deps", "--no-index",
                            str(vllm_wheel), str(cli_wheel)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # After pip: it would take the cpu venv's vllm for this one.
+    (Path(site) / "zz_cpu_venv_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     return root
 
 
@@ -145,6 +146,9 @@ def test_the_cuda_wheel_without_a_gpu(user_venv: Path, cuda_venv: Path, tmp_path
     from test_eagle3_layers_check import DEEPSEEK_R1, drafter
 
     assert not Path("/dev/nvidia0").exists()  # this test is about a machine without a GPU
+    doctor = command(cuda_venv, "doctor", cwd=tmp_path)
+    assert doctor.stdout.startswith(f"vllm: {cuda_venv}/lib/"), doctor.stdout
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     (tmp_path / "bad").mkdir()
     pairs = {"fits": drafter(tmp_path, "specforge-deepseek-v3-671b-eagle3"),
              "bad-d2t": drafter(tmp_path / "bad", "specforge-deepseek-v3-671b-eagle3",
