@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tools import tiny_checkpoints
 from tools._common import REPO_ROOT, StackError, parser, run_main, say
+from tools.vllm_eagle3._base import children_never_shadowed, drop_source_trees_from_path
 
 TOOL = "eagle3_example"
 TRAINED_ON = (2, 4, 6)  # vLLM ids: inputs of layers 2, 4, 6
@@ -120,7 +121,10 @@ def main() -> int:
     ap.add_argument("dir", type=Path, metavar="DIR")
     ap.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
     args = ap.parse_args()
-    made = make(args.dir, args.steps)
+    # `python -m` put the repo root, and its unpatched vllm/, first on sys.path.
+    drop_source_trees_from_path(REPO_ROOT)
+    with children_never_shadowed():
+        made = make(args.dir, args.steps)
     print("\n".join(f"{k}: {v}" for k, v in made.items()))
     return 0
 
