@@ -87,3 +87,35 @@ def test_vllm_child_processes_never_import_the_clone(monkeypatch: pytest.MonkeyP
     assert Path(_vllm_in_a_registry_child()).resolve() == REPO_ROOT / "vllm" / "__init__.py"
     with children_never_shadowed():
         assert str(Path(_vllm_in_a_registry_child()).resolve()) == installed
+
+
+def test_modules_are_layers_not_a_circle() -> None:
+    """No module of the package imports one that imports it back (the tools
+    it came from, eagle3_fit and eagle3_layers, imported each other), and
+    none imports the clone's tools (the installed wheel has none)."""
+    import ast
+
+    pkg = REPO_ROOT / "tools" / "vllm_eagle3"
+    graph: dict[str, set[str]] = {}
+    for path in pkg.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("tools"), (path.name, node.module)
+                if node.level == 1:
+                    deps.add(node.module or "")
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("tools") for a in node.names), path.name
+        graph[path.stem] = deps
+    assert graph["_base"] == set()
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for d in graph.get(todo.pop(), ()):
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return seen
+
+    assert all(m not in reach(m) for m in graph), graph

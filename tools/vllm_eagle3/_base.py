@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +177,3 @@ def device_problem() -> str | None:
 
 def dump_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=False)
-
-
-def ids_list(ids: Sequence[int]) -> list[int]:
-    return [int(k) for k in ids]

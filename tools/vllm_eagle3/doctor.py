@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -336,10 +335,3 @@ def run(drafter: str | None = None, target: str | None = None) -> int:
 
         print("\n".join(show(Path(drafter), Path(target) if target else None)))
     return PROBLEM if missing or problems else OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python tools/doctor.py`` from a clone: the same as ``vllm-eagle3 doctor``."""
-    from .cli import main as cli_main
-
-    return cli_main(["doctor", *(sys.argv[1:] if argv is None else argv)])

@@ -11,7 +11,6 @@ tensors the class loads by building it on the meta device and running its own
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import tempfile

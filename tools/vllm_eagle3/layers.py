@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ._base import (CONVERTED, DEFAULT_IDS_TEXT, NESTED, TOP, ToolError, default_aux_ids,
-                    read_config, read_json, raw_ids, target_num_layers)
+                    read_config, raw_ids, target_num_layers)
 
 
 def describe(ids: Sequence[int], n: int | None) -> list[str]:
