@@ -32,6 +32,9 @@
 #          one EAGLE-3 engine's decode steps (needs the same artifacts as speed)
 #   project  project.py run: per-rank DeepSeek-V3 (PROJECT_ARGS="--model kimi-k25-int4": Kimi-K2.5 INT4) (TP = 8) step times at a
 #          few layer counts, for the 61-layer projection
+#   fulldepth  fulldepth.py run: plain and EAGLE-3 decode steps of one TP-8 rank at all 61
+#          layers (FULLDEPTH_ARGS, default "--model kimi-k25-int4": every engine, batch
+#          1-128, 3 repeats)
 #   backends  prod_check.py backends: the target forced to each MLA backend,
 #          plain and with each drafter (served / refused at start / failed);
 #          backends-A,B runs only backends A and B (EAGLE3_BACKENDS)
@@ -137,6 +140,8 @@ for s in $STAGES; do
              --artifacts /tmp/profile-art --out "$OUT/profile" ${PROFILE_ARGS:-} ;;
     project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
                --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
+    fulldepth) stage fulldepth ${FULLDEPTH_LIMIT_S:-585} "$OUT/fulldepth.log" python3 tools/gpu_harness/fulldepth.py run \
+                 --out "$OUT/fulldepth" ${FULLDEPTH_ARGS:---model kimi-k25-int4} ;;
     backends|backends-*)
       b=${s#backends}; b=${b#-}
       stage "$s" ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" env ${b:+EAGLE3_BACKENDS=$b} \
@@ -148,6 +153,7 @@ done
 echo "== summary"; cat "$OUT/summary.log"
 for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log "$OUT"/int4*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^MATRIX|^CACHE|^CONTROL|^DSA|^INT4|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/profile.log ]] && { echo "== profile"; grep -E "^PROFILE|Error" "$OUT/profile.log" | cut -c1-1500 | tail -4; }
+[[ -f $OUT/fulldepth.log ]] && { echo "== fulldepth"; grep -E "^ENGINE|^SKIP|Error|Traceback|Killed|out of memory" "$OUT/fulldepth.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
