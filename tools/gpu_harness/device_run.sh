@@ -26,9 +26,9 @@
 #   int4   tests/e2e/gpu/test_eagle3_int4.py: Kimi-K2.5 INT4 (Marlin MoE) aux
 #          states, speculators' generator, acceptance; int4-aux and
 #          int4-acceptance run one of the two tests
-#   speed  bench_eagle3.py speed: plain vs EAGLE-3 decode tok/s, interleaved
+#   speed  speed.py: plain vs EAGLE-3 decode tok/s, interleaved
 #          repeats (needs bench-prod's artifacts.tar.gz, or SPEED_ARTIFACTS)
-#   profile  bench_eagle3.py profile: torch-profiler breakdown of one plain and
+#   profile  step_profile.py: torch-profiler breakdown of one plain and
 #          one EAGLE-3 engine's decode steps (needs the same artifacts as speed)
 #   project  project.py run: per-rank DeepSeek-V3 (PROJECT_ARGS="--model kimi-k25-int4": Kimi-K2.5 INT4) (TP = 8) step times at a
 #          few layer counts, for the 61-layer projection
@@ -132,11 +132,11 @@ for s in $STAGES; do
     speed)
       # The trained pair of an earlier bench-prod stage in this call (or SPEED_ARTIFACTS).
       rm -rf /tmp/speed-art && mkdir -p /tmp/speed-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/speed-art \
-        && stage speed ${SPEED_LIMIT_S:-400} "$OUT/speed.log" python3 tools/gpu_harness/bench_eagle3.py speed \
+        && stage speed ${SPEED_LIMIT_S:-400} "$OUT/speed.log" python3 tools/gpu_harness/speed.py \
              --artifacts /tmp/speed-art --out "$OUT/bench" ${SPEED_ARGS:-} ;;
     profile)
       rm -rf /tmp/profile-art && mkdir -p /tmp/profile-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/profile-art \
-        && stage profile ${PROFILE_LIMIT_S:-300} "$OUT/profile.log" python3 tools/gpu_harness/bench_eagle3.py profile \
+        && stage profile ${PROFILE_LIMIT_S:-300} "$OUT/profile.log" python3 tools/gpu_harness/step_profile.py \
              --artifacts /tmp/profile-art --out "$OUT/profile" ${PROFILE_ARGS:-} ;;
     project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
                --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
