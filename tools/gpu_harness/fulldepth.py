@@ -45,8 +45,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import project as pj  # noqa: E402  (the per-rank geometry; project.py imports nothing of this file)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Run as a script: the repository root goes last on sys.path (so
+# `tools.gpu_harness` resolves and the installed vllm stays first).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
+
+from tools.gpu_harness import project as pj  # noqa: E402  (the per-rank geometry; a layer below)
 
 ACCEPTANCE_LENGTHS = pj.ACCEPTANCE_LENGTHS
 ENGINE_KEYS = {"plain": "plain", **pj.DRAFTER_KEYS}  # plain, eagle3 (Llama), eagle3_mla
@@ -94,7 +99,7 @@ def _scheduler_facts(llm) -> dict:
 
 
 def _profiled_steps(traces: Path, seen: set[str]) -> dict:
-    from bench_eagle3 import step_breakdown, worker_trace
+    from tools.gpu_harness.step_trace import step_breakdown, worker_trace
 
     path, trace = worker_trace(traces, seen)
     seen.add(path)

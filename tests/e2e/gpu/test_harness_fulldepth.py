@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-import fulldepth
+from tools.gpu_harness import fulldepth
 
 
 def _res(plain, eagle, gpu_plain=None, gpu_eagle=None):
