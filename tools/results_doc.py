@@ -276,6 +276,36 @@ def _project_readme(d: dict) -> str:
             f"the GPU, {s['serial']['3.0']:.2f}x if it adds (per-rank compute only: no all-reduce)")
 
 
+FULL_BATCHES = ("1", "8", "32", "64", "128")
+FULL_DRAFTERS = {"eagle3": "Llama drafter", "eagle3_mla": "MLA drafter"}
+
+
+def _fulldepth(d: dict) -> list[tuple[str, str]]:
+    s, rows = d["summary"], []
+    for b in FULL_BATCHES:
+        p = s[b]["plain"]
+        rows.append((f"batch {b}: plain wall ms per step, median (range) / GPU ms / GPU idle ms",
+                     f"{f2(p['wall_ms'])} ({f2(p['wall_min_ms'])}-{f2(p['wall_max_ms'])}) / "
+                     f"{f2(p['gpu_ms'])} / {f2(p['gpu_idle_ms'])}"))
+        for key, name in FULL_DRAFTERS.items():
+            e = s[b][key]
+            rows.append((f"batch {b}: {name}, EAGLE-3 wall ms per step (range) / GPU ms / GPU idle ms",
+                         f"{f2(e['wall_ms'])} ({f2(e['wall_min_ms'])}-{f2(e['wall_max_ms'])}) / "
+                         f"{f2(e['gpu_ms'])} / {f2(e['gpu_idle_ms'])}"))
+            rows.append((f"batch {b}: {name}, speed-up at acceptance length 2.5 / 3.0 / 3.5 (range)",
+                         slash(f"{f2(e['speedup'][a]['median'])}x ({f2(e['speedup'][a]['low'])}-"
+                               f"{f2(e['speedup'][a]['high'])})" for a in ("2.5", "3.0", "3.5"))))
+    return rows
+
+
+def _fulldepth_readme(d: dict) -> str:
+    s = d["summary"]
+    return "; ".join(
+        f"{name} {slash(f2(s[b][key]['speedup']['3.0']['median']) + 'x' for b in ('1', '8', '32'))}"
+        for key, name in FULL_DRAFTERS.items()) + (
+        " at batch 1 / 8 / 32, acceptance length 3.0, from measured 61-layer steps (ranges in docs/results.md)")
+
+
 def _replay(d: dict) -> list[tuple[str, str]]:
     return [(f"aux ids {k}", v) for k, v in d["results"].items()]
 
@@ -337,6 +367,14 @@ CLAIMS = [
     Claim("kernels", "vLLM's own kernels and DeepGEMM built cold on the H200 (16 cores)",
           "2026-12-02_h200_kernels_build_call50.json", "the pinned sdist's CMake, sm_90a, the subset in `SUBSET`",
           "python3 tools/gpu_harness/kernels.py build --out DIR -j 16", _kernels, _kernels_readme),
+    Claim("fulldepth", "Kimi-K2.5 INT4, one TP-8 rank's share of all 61 layers: EAGLE-3 speed-up",
+          "2026-12-03_h200_fulldepth_kimi_k25_int4_summary.json",
+          f"{BUILT}; Marlin MoE; random weights (acceptance 1.0 measured, so the speed-up is AL x plain wall / "
+          "EAGLE-3 wall); k = 3, 16-token prompts, 64 tokens, 3 interleaved repeats; async scheduling on, "
+          "FULL_AND_PIECEWISE graphs, FLASH_ATTN_MLA target; leaves out the all-reduce between ranks, expert "
+          "parallelism and long contexts",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --out DIR", _fulldepth,
+          _fulldepth_readme),
     Claim("speed", "EAGLE-3 speed-up on the tiny pair, k = 3, 128 tokens, prefill timed apart",
           "2026-12-02_h200_speed_built_kernels.json", f"{BUILT}; production settings",
           "python tools/gpu_harness/speed.py --artifacts A --out DIR", _speed, _speed_readme),
@@ -354,8 +392,7 @@ CLAIMS = [
     Claim("project-kimi", "Kimi-K2.5 INT4 at TP = 8: one rank's share, projected to 61 layers (Llama drafter)",
           "2026-12-02_h200_project_kimi_k25_int4_tp8_rank_gpu_time.json",
           f"{BUILT}; Marlin MoE; random weights, 2 / 4 / 6 layers; per-rank compute only",
-          "python tools/gpu_harness/project.py run --model kimi-k25-int4 --drafters llama --out DIR", _project,
-          _project_readme),
+          "python tools/gpu_harness/project.py run --model kimi-k25-int4 --drafters llama --out DIR", _project),
     Claim("project-kimi-mla", "Kimi-K2.5 INT4 at TP = 8, TorchSpec's MLA drafter",
           "2026-12-02_h200_project_kimi_k25_int4_tp8_rank_mla_drafter.json", f"{BUILT}; as above",
           "python tools/gpu_harness/project.py run --model kimi-k25-int4 --drafters mla --out DIR", _project),

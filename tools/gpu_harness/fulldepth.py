@@ -259,6 +259,8 @@ def main(argv=None) -> int:
     r.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("summarize", help="speed-ups from result files (merged by engine)")
     s.add_argument("results", type=Path, nargs="+")
+    s.add_argument("--out", type=Path, default=None,
+                   help="also write the summary, with its sources and this command, to this JSON file")
     args = ap.parse_args(argv)
     if args.cmd == "run":
         args.out.mkdir(parents=True, exist_ok=True)
@@ -270,6 +272,18 @@ def main(argv=None) -> int:
         res = {"engines": {}}
         for p in args.results:
             res["engines"].update(json.loads(p.read_text()).get("engines", {}))
+        if args.out is not None:
+            first = json.loads(args.results[0].read_text())
+            json_write(args.out, {
+                "what": "fulldepth.py summarize: speed-up at each acceptance length from measured wall steps",
+                "command": " ".join(["fulldepth.py", *(argv if argv is not None else sys.argv[1:])]),
+                "sources": {p.name: json.loads(p.read_text()).get("command") for p in args.results},
+                "model": first.get("model"), "layers": first.get("layers"), "k": first.get("k"),
+                "repeats": first.get("repeats"), "gen_tokens": first.get("gen_tokens"),
+                "facts": {k: {f: v.get("facts", {}).get(f) for f in ("async_scheduling", "cudagraph_mode",
+                                                                     "attention_backends")}
+                          for k, v in res["engines"].items()},
+                "summary": summarize(res)})
     print(json.dumps(summarize(res), indent=1))
     return 0
 
