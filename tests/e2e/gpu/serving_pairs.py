@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""The trained target/drafter pairs of test_eagle3_serving.py, and its
+float64 sampling reference. Runs as a child process (its own CUDA context,
+so the test process starts none before vLLM spawns its engines):
+
+    python tests/e2e/gpu/serving_pairs.py prepare --kind deepseek-v3 --work DIR
+    python tests/e2e/gpu/serving_pairs.py reference --target VIEW --requests R.json --out REF.npz
+
+``prepare`` (production checkpoints: bf16, MLA with the published latent
+geometry):
+
+1. the target (``deepseek-v3``, or ``kimi-k25-int4``: its bf16 text model
+   trained, then the routed experts packed W4A16 with the published
+   quantization_config) is trained on bench_eagle3.py's skip-rule language
+   (bench_eagle3.train_target);
+2. its greedy continuations of bench_eagle3's 512 training prompts and the
+   inputs of layers (1, 3, 6) along them are computed by transformers (the
+   dequantized text view for INT4; fp64_reference.load: vLLM's routing) on
+   the GPU in float32, with no vLLM engine (engine starts are what the
+   suite's time goes to);
+3. a Llama-architecture drafter is trained on those states
+   (bench_eagle3.train: k = 3, training-time-test unrolling).
+
+The drafter learns from transformers' layer inputs and is then served by
+vLLM: its acceptance is high only if vLLM hands it the same states. The
+Kimi pair also gets an MLA drafter (``eagle3-mla-drafter``, model type
+kimi_k2, random weights: bench_eagle3 trains Llama drafters only).
+Everything lands in DIR with DIR/pair.json last (an existing pair.json is
+reused).
+
+``reference``: for each request (prompt + the tokens an engine sampled),
+the target's logits at every sampled position in float64 (transformers,
+the view), turned into the bins of serving_helpers.sampling_test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import gpu_e2e_helpers as h  # noqa: E402 - puts tools/ and tools/gpu_harness on sys.path
+
+AUX_IDS = (1, 3, 6)
+N_TRAIN = 512
+GEN_TOKENS = 128
+KINDS = ("deepseek-v3", "kimi-k25-int4")
+# The drafters' context: the targets' YaRN length (4096 * 40), so 8k-token
+# prompts are inside every model's positions.
+DRAFTER_MAX_POSITIONS = 163840
+
+
+def _greedy_and_aux(view: Path, prompts: list[list[int]], device: str = "cuda"):
+    """transformers' greedy continuations (GEN_TOKENS) and, along prompt +
+    continuation, the inputs of AUX_IDS (the output of the last layer for
+    id n), concatenated: one [len, 3 * hidden] float32 tensor a sequence."""
+    import torch
+
+    import fp64_reference
+
+    model = fp64_reference.load(view).to(device=device, dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    n = model.config.num_hidden_layers
+    states: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        if i in AUX_IDS:
+            layer.register_forward_pre_hook(
+                lambda m, a, kw, i=i: states.__setitem__(i, a[0] if a else kw["hidden_states"]),
+                with_kwargs=True)
+        if i + 1 == n and n in AUX_IDS:
+            layer.register_forward_hook(
+                lambda m, a, o: states.__setitem__(n, o[0] if isinstance(o, tuple) else o))
+    by_len: dict[int, list[int]] = {}
+    for j, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(j)
+    seqs: list[list[int] | None] = [None] * len(prompts)
+    aux: list = [None] * len(prompts)
+    # torch.device: fp64_reference's router makes a tensor without a device.
+    with torch.no_grad(), torch.device(device):
+        for _, idx in sorted(by_len.items()):
+            ids = torch.tensor([prompts[j] for j in idx], device=device)
+            for _ in range(GEN_TOKENS):
+                nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+                ids = torch.cat([ids, nxt], dim=1)
+            states.clear()
+            fp64_reference.ROUTE_GAPS.clear()
+            model(input_ids=ids)
+            cat = torch.cat([states[k] for k in AUX_IDS], dim=-1).float().cpu()
+            for r, j in enumerate(idx):
+                seqs[j] = ids[r].tolist()
+                aux[j] = cat[r].clone()
+    return seqs, aux
+
+
+def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int) -> dict:
+    os.environ["EAGLE3_GPU_PROFILE"] = "production"
+    done = work / "pair.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    import torch
+
+    from bench_eagle3 import _prompts, train, train_target
+
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = h._tiny()
+    ckw = h.checkpoint_kwargs()
+    t0 = time.perf_counter()
+    rec: dict = {"kind": kind, "aux_layer_ids": list(AUX_IDS)}
+    if kind == "deepseek-v3":
+        target = work / "deepseek_v3"
+        tiny.write_checkpoint("deepseek-v3", target, seed=0, **ckw)
+        rec["target_training"] = train_target(target, target_steps)
+        view = target
+    else:
+        from int4_check import published_quantization_config
+
+        bf16, target = work / "kimi_k25_bf16", work / "kimi_k25_int4"
+        tiny.write_checkpoint("kimi-k25", bf16, seed=0, **ckw)
+        text = tiny.kimi_text_view(bf16, work / "kimi_k25_text")
+        rec["target_training"] = train_target(text, target_steps)
+        tiny.write_kimi_k25_int4(bf16, target, published_quantization_config(), text_weights=text)
+        view = tiny.kimi_text_view(target, work / "kimi_k25_int4_view")
+        mla = work / "drafter_mla"
+        tiny.write_checkpoint("eagle3-mla-drafter", mla, seed=4, model_type="kimi_k2",
+                              aux_layer_ids=AUX_IDS, **ckw)
+        rec["mla_drafter"] = str(mla)
+    rec["target_training"].pop("log", None)
+    rnd, trained = work / "drafter_random", work / "drafter_trained"
+    tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, dtype=ckw["dtype"], aux_layer_ids=AUX_IDS,
+                          draft_vocab_size=tiny.VOCAB_SIZE, max_position_embeddings=DRAFTER_MAX_POSITIONS,
+                          **h.drafter_shape())
+    prompts = [p["prompt_token_ids"] for p in _prompts(N_TRAIN, seed=1)]
+    t1 = time.perf_counter()
+    seqs, aux = _greedy_and_aux(view, prompts)
+    torch.save({"aux": aux, "missing": [], "layer_ids": list(AUX_IDS)}, work / "aux.pt")
+    rec["data_seconds"] = time.perf_counter() - t1
+    tr = train(target, rnd, seqs, [len(p) for p in prompts], work / "aux.pt", trained, drafter_steps)
+    tr.pop("log", None)
+    rec["drafter_training"] = tr
+    rec.update(target=str(target), view=str(view), drafter_trained=str(trained),
+               drafter_random=str(rnd), seconds=time.perf_counter() - t0)
+    done.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def reference(view: Path, requests_path: Path, out: Path, temperature: float, top_p: float,
+              n_bins: int = 3) -> None:
+    """For each request {prompt, tokens} the float64 reference of every
+    sampled position: its bin (serving_helpers.rank_bins) and the bins'
+    masses, and whether the token lies outside the float64 nucleus."""
+    import numpy as np
+    import torch
+
+    import fp64_reference
+    from serving_helpers import nucleus, rank_bins
+
+    reqs = json.loads(Path(requests_path).read_text())
+    model = fp64_reference.load(view).to(device="cuda")  # float64
+    model.config._attn_implementation = "eager"
+    bins, masses, outside = [], [], 0
+    with torch.no_grad(), torch.device("cuda"):
+        for r in reqs:
+            seq = r["prompt"] + r["tokens"]
+            logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0].cpu().numpy()
+            fp64_reference.ROUTE_GAPS.clear()
+            for t, tok in enumerate(r["tokens"]):
+                q, keep = nucleus(logits[len(r["prompt"]) - 1 + t], temperature, top_p)
+                outside += int(not keep[tok])
+                b, m = rank_bins(q, tok, n_bins)
+                bins.append(b)
+                masses.append(m)
+    np.savez(out, bins=np.array(bins), masses=np.array(masses), outside=np.array(outside))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--kind", choices=KINDS, required=True)
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--target-steps", type=int, default=400)
+    p.add_argument("--drafter-steps", type=int, default=1500)
+    r = sub.add_parser("reference")
+    r.add_argument("--target", type=Path, required=True, help="the target's transformers view")
+    r.add_argument("--requests", type=Path, required=True)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--temperature", type=float, required=True)
+    r.add_argument("--top-p", type=float, required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "prepare":
+        rec = prepare(a.kind, a.work, a.target_steps, a.drafter_steps)
+        print("PAIR", json.dumps({k: v for k, v in rec.items() if k != "drafter_training"}), flush=True)
+    else:
+        reference(a.target, a.requests, a.out, a.temperature, a.top_p)
+
+
+if __name__ == "__main__":
+    main()
