@@ -216,7 +216,7 @@ def long_workload(n: int = 2, length: int = 8192, max_tokens: int = 64, seed: in
                     info={"prompt_tokens": [length + i for i in range(n)]})
 
 
-def preemption_workload(n: int = 48, max_tokens: int = 256, seed: int = 300) -> Workload:
+def preemption_workload(n: int = 64, max_tokens: int = 256, seed: int = 300) -> Workload:
     rng = random.Random(seed)
     prompts = rule_prompts(n, seed, lo=96, hi=192)
     return Workload("preemption", prompts, [max_tokens - rng.randrange(0, 64) for _ in range(n)])

@@ -17,7 +17,7 @@ length is within 0.05 of the clean EAGLE-3 run.
 2. chunked prefill: prompts of 8,192+ tokens (inside the targets' YaRN
    length) with max_num_batched_tokens 2048: no engine step above 2048
    tokens (vllm:iteration_tokens_total) while the prompts were computed.
-3. preemption: a KV cache of SERVING_KV_TOKENS slots and 48 requests that
+3. preemption: a KV cache of SERVING_KV_TOKENS slots and 64 requests that
    need several times that; vllm:num_preemptions >= 20% of the requests,
    every request finishes once with all its tokens.
 4. aborts: 64 concurrent streaming ``openai`` clients, 16 of which close
