@@ -25,7 +25,8 @@ geometry):
 The drafter learns from transformers' layer inputs and is then served by
 vLLM: its acceptance is high only if vLLM hands it the same states. The
 Kimi pair also gets an MLA drafter (``eagle3-mla-drafter``, model type
-kimi_k2, random weights: bench_eagle3 trains Llama drafters only).
+kimi_k2), trained the same way by bench_eagle3.train's loop with the MLA
+draft layer in place of the Llama one (MLADrafter).
 Everything lands in DIR with DIR/pair.json last (an existing pair.json is
 reused).
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -99,7 +101,126 @@ def _greedy_and_aux(view: Path, prompts: list[list[int]], device: str = "cuda"):
     return seqs, aux
 
 
-def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int) -> dict:
+# ---------------------------------------------------------------------------
+# the MLA drafter, trained by bench_eagle3.train's loop
+# ---------------------------------------------------------------------------
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _inv_freq(rope_dim: int, theta: float, yarn: dict | None, device):
+    """DeepSeek's rotary frequencies, YaRN-interpolated as vLLM's
+    DeepseekScalingRotaryEmbedding does (written out as in
+    tests/models/test_deepseek_eagle3_drafter.py, whose reference step is
+    checked against vLLM's drafter)."""
+    import torch
+
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=device).float() / rope_dim))
+    if not yarn:
+        return inv
+    orig, factor = yarn["original_max_position_embeddings"], yarn["factor"]
+
+    def dim_of(rotations: float) -> float:
+        return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(yarn["beta_fast"])), 0)
+    high = min(math.ceil(dim_of(yarn["beta_slow"])), rope_dim - 1)
+    ramp = ((torch.arange(rope_dim // 2, device=device).float() - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def _rope_interleaved(x, pos, inv, m: float):
+    """x [B, heads, L, d] (or [B, 1, L, d]), pos [B, L]: pairs (2i, 2i + 1)."""
+    import torch
+
+    ang = pos.float()[:, None, :, None] * inv  # [B, 1, L, d/2]
+    cos, sin = ang.cos() * m, ang.sin() * m
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
+
+
+def mla_drafter_class():
+    """bench_eagle3.Drafter with vLLM's Eagle3DeepseekV2 draft layer: MLA
+    attention (q_a/q_b, kv_a_proj_with_mqa/kv_b, interleaved YaRN rope on
+    the rope part, YaRN's softmax temperature) over [embeds, hidden]; the
+    rest (norms, residual from the fused state, MLP, unrolled loss) is the
+    Llama drafter's."""
+    import torch
+
+    from bench_eagle3 import Drafter, _rms
+
+    class MLADrafter(Drafter):
+        def __init__(self, cfg, weights, embed, device):
+            self.cfg = cfg
+            self.p = {k: v.to(device).float().clone().requires_grad_(v.is_floating_point())
+                      for k, v in weights.items() if k not in ("d2t", "t2d")}
+            self.embed = embed.to(device).float()
+            self.eps = cfg["rms_norm_eps"]
+            self.nh = cfg["num_attention_heads"]
+            self.nope, self.rope, self.vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+            self.kv_lora = cfg["kv_lora_rank"]
+            yarn = cfg.get("rope_scaling")
+            self.inv = _inv_freq(self.rope, cfg.get("rope_theta", 10000.0), yarn, device)
+            self.rope_m = 1.0 if not yarn else (_yarn_mscale(yarn["factor"], yarn["mscale"])
+                                                / _yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]))
+            self.scale = (self.nope + self.rope) ** -0.5
+            if yarn:
+                self.scale *= _yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+            self.torch = torch
+
+        def layer(self, tok, hidden, pos, first_kv, chain_kv):
+            p, a = self.p, "midlayer.self_attn."
+            B, L, H = hidden.shape
+            e = _rms(self.embed[tok], p["midlayer.input_layernorm.weight"], self.eps)
+            resid = hidden
+            x = torch.cat([e, _rms(hidden, p["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
+            q = _rms(x @ p[a + "q_a_proj.weight"].T, p[a + "q_a_layernorm.weight"], self.eps) \
+                @ p[a + "q_b_proj.weight"].T
+            q = q.view(B, L, self.nh, self.nope + self.rope).transpose(1, 2)
+            kv_c, k_pe = (x @ p[a + "kv_a_proj_with_mqa.weight"].T).split([self.kv_lora, self.rope], dim=-1)
+            kv = (_rms(kv_c, p[a + "kv_a_layernorm.weight"], self.eps) @ p[a + "kv_b_proj.weight"].T)
+            k_nope, v = kv.view(B, L, self.nh, self.nope + self.vd).transpose(1, 2).split([self.nope, self.vd], -1)
+            q = torch.cat([q[..., :self.nope], _rope_interleaved(q[..., self.nope:], pos, self.inv, self.rope_m)], -1)
+            k_pe = _rope_interleaved(k_pe[:, None], pos, self.inv, self.rope_m).expand(B, self.nh, L, self.rope)
+            k = torch.cat([k_nope, k_pe], -1)
+            if first_kv is None:
+                att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:
+                k1, v1 = first_kv
+                s1 = (q @ k1.transpose(-1, -2)) * self.scale
+                causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+                s1 = s1.masked_fill(~causal, float("-inf"))
+                diag = [(q * kc).sum(-1, keepdim=True) * self.scale for kc, _ in chain_kv]
+                diag.append((q * k).sum(-1, keepdim=True) * self.scale)
+                pr = torch.softmax(torch.cat([s1, *diag], dim=-1), dim=-1)
+                att = pr[..., :L] @ v1
+                for m, (_, vc) in enumerate([*chain_kv, (None, v)]):
+                    att = att + pr[..., L + m:L + m + 1] * vc
+            att = att.transpose(1, 2).reshape(B, L, self.nh * self.vd) @ p[a + "o_proj.weight"].T
+            s_ = att + resid
+            h2 = _rms(s_, p["midlayer.post_attention_layernorm.weight"], self.eps)
+            mlp = (torch.nn.functional.silu(h2 @ p["midlayer.mlp.gate_proj.weight"].T)
+                   * (h2 @ p["midlayer.mlp.up_proj.weight"].T)) @ p["midlayer.mlp.down_proj.weight"].T
+            pre = mlp + s_
+            logits = _rms(pre, p["norm.weight"], self.eps) @ p["lm_head.weight"].T
+            return pre, logits, k, v
+
+    return MLADrafter
+
+
+def train_mla(target, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, device):
+    """bench_eagle3.train with its Drafter replaced by the MLA draft layer."""
+    from unittest import mock
+
+    import bench_eagle3
+
+    with mock.patch.object(bench_eagle3, "Drafter", mla_drafter_class()):
+        return bench_eagle3.train(target, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, device=device)
+
+
+def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device: str = "cuda") -> dict:
     os.environ["EAGLE3_GPU_PROFILE"] = "production"
     done = work / "pair.json"
     if done.is_file():
@@ -116,7 +237,7 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int) -> dic
     if kind == "deepseek-v3":
         target = work / "deepseek_v3"
         tiny.write_checkpoint("deepseek-v3", target, seed=0, **ckw)
-        rec["target_training"] = train_target(target, target_steps)
+        rec["target_training"] = train_target(target, target_steps, device=device)
         view = target
     else:
         from int4_check import published_quantization_config
@@ -124,13 +245,12 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int) -> dic
         bf16, target = work / "kimi_k25_bf16", work / "kimi_k25_int4"
         tiny.write_checkpoint("kimi-k25", bf16, seed=0, **ckw)
         text = tiny.kimi_text_view(bf16, work / "kimi_k25_text")
-        rec["target_training"] = train_target(text, target_steps)
+        rec["target_training"] = train_target(text, target_steps, device=device)
         tiny.write_kimi_k25_int4(bf16, target, published_quantization_config(), text_weights=text)
         view = tiny.kimi_text_view(target, work / "kimi_k25_int4_view")
-        mla = work / "drafter_mla"
-        tiny.write_checkpoint("eagle3-mla-drafter", mla, seed=4, model_type="kimi_k2",
+        mla_rnd = work / "drafter_mla_random"
+        tiny.write_checkpoint("eagle3-mla-drafter", mla_rnd, seed=4, model_type="kimi_k2",
                               aux_layer_ids=AUX_IDS, **ckw)
-        rec["mla_drafter"] = str(mla)
     rec["target_training"].pop("log", None)
     rnd, trained = work / "drafter_random", work / "drafter_trained"
     tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, dtype=ckw["dtype"], aux_layer_ids=AUX_IDS,
@@ -138,12 +258,20 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int) -> dic
                           **h.drafter_shape())
     prompts = [p["prompt_token_ids"] for p in _prompts(N_TRAIN, seed=1)]
     t1 = time.perf_counter()
-    seqs, aux = _greedy_and_aux(view, prompts)
+    seqs, aux = _greedy_and_aux(view, prompts, device)
     torch.save({"aux": aux, "missing": [], "layer_ids": list(AUX_IDS)}, work / "aux.pt")
     rec["data_seconds"] = time.perf_counter() - t1
-    tr = train(target, rnd, seqs, [len(p) for p in prompts], work / "aux.pt", trained, drafter_steps)
+    tr = train(target, rnd, seqs, [len(p) for p in prompts], work / "aux.pt", trained, drafter_steps,
+               device=device)
     tr.pop("log", None)
     rec["drafter_training"] = tr
+    if kind == "kimi-k25-int4":
+        mla = work / "drafter_mla_trained"
+        tr = train_mla(target, mla_rnd, seqs, [len(p) for p in prompts], work / "aux.pt", mla,
+                       drafter_steps, device)
+        tr.pop("log", None)
+        rec["mla_drafter_training"] = tr
+        rec["mla_drafter"] = str(mla)
     rec.update(target=str(target), view=str(view), drafter_trained=str(trained),
                drafter_random=str(rnd), seconds=time.perf_counter() - t0)
     done.write_text(json.dumps(rec, indent=1))
@@ -180,6 +308,7 @@ def reference(view: Path, requests_path: Path, out: Path, temperature: float, to
 
 
 def main(argv=None) -> None:
+    global N_TRAIN, GEN_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
@@ -187,6 +316,9 @@ def main(argv=None) -> None:
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--target-steps", type=int, default=400)
     p.add_argument("--drafter-steps", type=int, default=1500)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run (with few steps and --n-train)")
+    p.add_argument("--n-train", type=int, default=N_TRAIN)
+    p.add_argument("--gen-tokens", type=int, default=GEN_TOKENS)
     r = sub.add_parser("reference")
     r.add_argument("--target", type=Path, required=True, help="the target's transformers view")
     r.add_argument("--requests", type=Path, required=True)
@@ -195,7 +327,8 @@ def main(argv=None) -> None:
     r.add_argument("--top-p", type=float, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
-        rec = prepare(a.kind, a.work, a.target_steps, a.drafter_steps)
+        N_TRAIN, GEN_TOKENS = a.n_train, a.gen_tokens
+        rec = prepare(a.kind, a.work, a.target_steps, a.drafter_steps, a.device)
         print("PAIR", json.dumps({k: v for k, v in rec.items() if k != "drafter_training"}), flush=True)
     else:
         reference(a.target, a.requests, a.out, a.temperature, a.top_p)

@@ -6,7 +6,7 @@ graphs, vLLM's own backend choice; nothing forced).
 Two trained pairs (serving_pairs.py prepare): ``dsv3``, the tiny
 DeepSeek-V3 target with a Llama drafter trained on its layer inputs; and
 ``kimi``, Kimi-K2.5 with its routed experts INT4 (Marlin MoE), served with
-the MLA drafter. Every case runs its requests twice: clean (prefix caching
+an MLA drafter (Eagle3DeepseekV2, model type kimi_k2) trained the same way. Every case runs its requests twice: clean (prefix caching
 off, no chunking, ample KV cache; offline ``vllm.LLM``) and under the
 condition, and reads the condition from the engine's own counters. In each:
 greedy EAGLE-3 output equals plain greedy output, and the mean acceptance
