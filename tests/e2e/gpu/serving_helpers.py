@@ -427,12 +427,22 @@ class Server:
         self.ready_s: float | None = None
 
     def start(self, timeout_s: float = 400) -> Server:
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> Server:
+        """Start the process and return (its start-up overlaps other work)."""
         import subprocess
         import time
 
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
+        return self
+
+    def wait_ready(self, timeout_s: float = 400) -> Server:
+        import time
+
+        t0 = self._t0
         while not self.healthy():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log {self.log_path}:\n"

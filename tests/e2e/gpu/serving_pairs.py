@@ -280,31 +280,37 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device
 
 def reference(view: Path, requests_path: Path, out: Path, temperature: float, top_p: float,
               n_bins: int = 3) -> None:
-    """For each request {prompt, tokens} the float64 reference of every
-    sampled position: its bin (serving_helpers.rank_bins) and the bins'
-    masses, and whether the token lies outside the float64 nucleus."""
+    """For each run (requests_path: {run: [{prompt, tokens}, ...]}) and each
+    sampled position, the float64 reference: the token's bin
+    (serving_helpers.rank_bins), the bins' masses, and whether the token lies
+    outside the float64 nucleus. Saved as <run>_bins, <run>_masses,
+    <run>_outside in one npz."""
     import numpy as np
     import torch
 
     import fp64_reference
     from serving_helpers import nucleus, rank_bins
 
-    reqs = json.loads(Path(requests_path).read_text())
+    runs = json.loads(Path(requests_path).read_text())
     model = fp64_reference.load(view).to(device="cuda")  # float64
     model.config._attn_implementation = "eager"
-    bins, masses, outside = [], [], 0
+    arrays = {}
     with torch.no_grad(), torch.device("cuda"):
-        for r in reqs:
-            seq = r["prompt"] + r["tokens"]
-            logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0].cpu().numpy()
-            fp64_reference.ROUTE_GAPS.clear()
-            for t, tok in enumerate(r["tokens"]):
-                q, keep = nucleus(logits[len(r["prompt"]) - 1 + t], temperature, top_p)
-                outside += int(not keep[tok])
-                b, m = rank_bins(q, tok, n_bins)
-                bins.append(b)
-                masses.append(m)
-    np.savez(out, bins=np.array(bins), masses=np.array(masses), outside=np.array(outside))
+        for run, reqs in runs.items():
+            bins, masses, outside = [], [], 0
+            for r in reqs:
+                seq = r["prompt"] + r["tokens"]
+                logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0].cpu().numpy()
+                fp64_reference.ROUTE_GAPS.clear()
+                for t, tok in enumerate(r["tokens"]):
+                    q, keep = nucleus(logits[len(r["prompt"]) - 1 + t], temperature, top_p)
+                    outside += int(not keep[tok])
+                    b, m = rank_bins(q, tok, n_bins)
+                    bins.append(b)
+                    masses.append(m)
+            arrays.update({f"{run}_bins": np.array(bins), f"{run}_masses": np.array(masses),
+                           f"{run}_outside": np.array(outside)})
+    np.savez(out, **arrays)
 
 
 def main(argv=None) -> None:
