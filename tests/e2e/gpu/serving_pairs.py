@@ -210,6 +210,16 @@ def mla_drafter_class():
     return MLADrafter
 
 
+def write_mla_drafter(path: Path, ckw: dict) -> Path:
+    """The Kimi pair's MLA drafter before training: the published eagle3-mla
+    layout, model type kimi_k2; its draft vocabulary is the target's (as the
+    Llama drafter's: bench_eagle3.train labels with target ids)."""
+    tiny = h._tiny()
+    tiny.write_checkpoint("eagle3-mla-drafter", path, seed=4, model_type="kimi_k2", aux_layer_ids=AUX_IDS,
+                          draft_vocab_size=tiny.VOCAB_SIZE, **ckw)
+    return path
+
+
 def train_mla(target, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, device):
     """bench_eagle3.train with its Drafter replaced by the MLA draft layer."""
     from unittest import mock
@@ -248,9 +258,7 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device
         rec["target_training"] = train_target(text, target_steps, device=device)
         tiny.write_kimi_k25_int4(bf16, target, published_quantization_config(), text_weights=text)
         view = tiny.kimi_text_view(target, work / "kimi_k25_int4_view")
-        mla_rnd = work / "drafter_mla_random"
-        tiny.write_checkpoint("eagle3-mla-drafter", mla_rnd, seed=4, model_type="kimi_k2",
-                              aux_layer_ids=AUX_IDS, **ckw)
+        mla_rnd = write_mla_drafter(work / "drafter_mla_random", ckw)
     rec["target_training"].pop("log", None)
     rnd, trained = work / "drafter_random", work / "drafter_trained"
     tiny.write_checkpoint("eagle3-drafter", rnd, seed=2, dtype=ckw["dtype"], aux_layer_ids=AUX_IDS,
@@ -279,7 +287,7 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device
 
 
 def reference(view: Path, requests_path: Path, out: Path, temperature: float, top_p: float,
-              n_bins: int = 3) -> None:
+              n_bins: int = 3, device: str = "cuda") -> None:
     """For each run (requests_path: {run: [{prompt, tokens}, ...]}) and each
     sampled position, the float64 reference: the token's bin
     (serving_helpers.rank_bins), the bins' masses, and whether the token lies
@@ -292,15 +300,15 @@ def reference(view: Path, requests_path: Path, out: Path, temperature: float, to
     from serving_helpers import nucleus, rank_bins
 
     runs = json.loads(Path(requests_path).read_text())
-    model = fp64_reference.load(view).to(device="cuda")  # float64
+    model = fp64_reference.load(view).to(device=device)  # float64
     model.config._attn_implementation = "eager"
     arrays = {}
-    with torch.no_grad(), torch.device("cuda"):
+    with torch.no_grad(), torch.device(device):
         for run, reqs in runs.items():
             bins, masses, outside = [], [], 0
             for r in reqs:
                 seq = r["prompt"] + r["tokens"]
-                logits = model(input_ids=torch.tensor([seq], device="cuda")).logits[0].cpu().numpy()
+                logits = model(input_ids=torch.tensor([seq], device=device)).logits[0].cpu().numpy()
                 fp64_reference.ROUTE_GAPS.clear()
                 for t, tok in enumerate(r["tokens"]):
                     q, keep = nucleus(logits[len(r["prompt"]) - 1 + t], temperature, top_p)
@@ -331,13 +339,14 @@ def main(argv=None) -> None:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--temperature", type=float, required=True)
     r.add_argument("--top-p", type=float, required=True)
+    r.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
         N_TRAIN, GEN_TOKENS = a.n_train, a.gen_tokens
         rec = prepare(a.kind, a.work, a.target_steps, a.drafter_steps, a.device)
         print("PAIR", json.dumps({k: v for k, v in rec.items() if k != "drafter_training"}), flush=True)
     else:
-        reference(a.target, a.requests, a.out, a.temperature, a.top_p)
+        reference(a.target, a.requests, a.out, a.temperature, a.top_p, device=a.device)
 
 
 if __name__ == "__main__":

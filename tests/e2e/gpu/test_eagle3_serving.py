@@ -120,10 +120,12 @@ def prepare_pair(name: str, root: Path) -> Pair:
 
 
 class Results:
-    """One JSON a pair, rewritten after every case."""
+    """One JSON a pair, rewritten after every case; a later pytest run in the
+    same results folder (serving-soak after serving) adds to it."""
 
     def __init__(self, path: Path, base: dict):
-        self.path, self.data = path, dict(base)
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        self.path, self.data = path, {**old, **base}
         path.parent.mkdir(parents=True, exist_ok=True)
         self.save()
 

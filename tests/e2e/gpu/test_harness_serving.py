@@ -262,10 +262,9 @@ def _mla_drafter(tmp_path):
 
     from safetensors.torch import load_file
 
-    import gpu_e2e_helpers as h
+    import serving_pairs as sp
 
-    d = tmp_path / "mla_drafter"
-    h._tiny().write_checkpoint("eagle3-mla-drafter", d, seed=4, model_type="kimi_k2", aux_layer_ids=(1, 3, 6))
+    d = sp.write_mla_drafter(tmp_path / "mla_drafter", {})  # smoke geometry, float32
     return d, json.loads((d / "config.json").read_text()), load_file(str(d / "model.safetensors"))
 
 
@@ -312,7 +311,8 @@ def test_mla_drafter_trains_through_the_bench_loop(tmp_path):
     g = torch.Generator().manual_seed(1)
     save_file({"language_model.model.embed_tokens.weight": torch.randn(cfg["vocab_size"], 128, generator=g)},
               str(target / "model.safetensors"))
-    seqs = [[int(x) for x in torch.randint(0, 256, (24,), generator=g)] for _ in range(16)]
+    # Target ids over the whole vocabulary (the drafter predicts target ids).
+    seqs = [[int(x) for x in torch.randint(0, cfg["vocab_size"], (24,), generator=g)] for _ in range(16)]
     torch.save({"aux": [torch.randn(24, 3 * 128, generator=g) for _ in seqs], "missing": [],
                 "layer_ids": [1, 3, 6]}, tmp_path / "aux.pt")
     out = tmp_path / "trained"
