@@ -27,8 +27,9 @@ length is within 0.05 of the clean EAGLE-3 run.
 5. sampling (T 0.8, top-p 0.95): the tokens EAGLE-3 samples fall in the
    rank bins of the target's own float64 distribution as often as it says
    (serving_helpers.sampling_test; enough tokens to detect a 2% shift of
-   the top-1 share); the same engine with every draft accepted (a broken
-   rejection rule, patched into vLLM's rejection sampler) must fail it.
+   the top-1 share), as plain sampling's do; the same engine with every
+   draft accepted (a broken rejection rule, patched into vLLM's rejection
+   sampler) must fail it.
 6. soak (test_soak): three minutes of mixed requests through the server.
 7. calibrate (test_calibrate_on_gpu): ``python -m tools.eagle3_layers
    calibrate`` on the trained pair, an output-of-layer drafter and a random
@@ -271,6 +272,7 @@ def clean(pair, results, server_slot, results_dir):
         for name, w in wl.items():
             out["plain"][name] = _generate(llm, w.prompts, w.max_tokens)
         out["plain_cache"] = _cache_facts(llm)
+        out["plain_sampling"] = _sampled(llm, sh.rule_prompts(SAMPLING_PROMPTS, seed=700))
         out["plain_engine"] = {"start_s": start, **h.engine_facts(llm)}
     finally:
         h.shutdown(llm)
@@ -297,6 +299,14 @@ def clean(pair, results, server_slot, results_dir):
     return out
 
 
+def _sampled(llm, prompts):
+    """SAMPLING_TOKENS tokens of each prompt at T 0.8, top-p 0.95 (seeded)."""
+    before = _llm_counters(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [_sp(SAMPLING_TOKENS, seed=i, **SAMPLING) for i in range(len(prompts))], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], sh.delta(before, _llm_counters(llm))
+
+
 def _sampling_runs(llm) -> dict:
     """Case 5's two runs on the clean EAGLE-3 engine: vLLM's rejection
     sampler as it is, then with every draft accepted (its uniform draws
@@ -309,17 +319,13 @@ def _sampling_runs(llm) -> dict:
     res = {"prompts": prompts}
 
     def run():
-        before = _llm_counters(llm)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [_sp(SAMPLING_TOKENS, seed=i, **SAMPLING) for i in range(len(prompts))],
-                            use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], sh.delta(before, _llm_counters(llm))
+        return _sampled(llm, prompts)
 
     res["eagle3"] = run()
     orig = rs.generate_uniform_probs
 
     def accept_every_draft(num_tokens, num_draft_tokens, generators, device):
-        return torch.zeros(num_tokens, dtype=torch.float32, device=device)
+        return torch.zeros(num_tokens, dtype=torch.float64, device=device)  # as vLLM draws them
 
     rs.generate_uniform_probs = accept_every_draft
     try:
@@ -543,8 +549,10 @@ def _reference(pair, prompts, runs: dict[str, list[list[int]]], path: Path) -> d
 
 
 def test_sampling_follows_the_target(pair, clean, results, tmp_path):
-    s = clean["sampling"]
-    runs = ("eagle3", "accept_every_draft")
+    s = {**clean["sampling"], "plain": clean["plain_sampling"]}
+    # plain: the target sampling alone, the control that the float64
+    # reference is the engine's model (bf16 kernels included).
+    runs = ("eagle3", "plain", "accept_every_draft")
     refs = _reference(pair, s["prompts"], {run: s[run][0] for run in runs}, tmp_path / "reference.npz")
     out = {}
     for run in runs:
@@ -553,9 +561,10 @@ def test_sampling_follows_the_target(pair, clean, results, tmp_path):
         out[run] = {"test": t.as_dict(), "counters": s[run][1]}
     out["settings"] = {**SAMPLING, "prompts": SAMPLING_PROMPTS, "tokens": SAMPLING_TOKENS, "alpha": ALPHA}
     results.put("sampling", out)
-    right, broken = out["eagle3"]["test"], out["accept_every_draft"]["test"]
+    right, plain, broken = (out[r]["test"] for r in runs)
     assert s["eagle3"][1]["num_drafts"] > 0
     assert right["detectable_top1_shift"] <= 0.02, right
+    assert plain["p_value"] >= ALPHA, plain
     assert right["p_value"] >= ALPHA, right
     # The negative control: the broken rule must be caught.
     assert broken["p_value"] < ALPHA, broken
