@@ -517,6 +517,10 @@ def test_aborts_and_disconnects(pair, clean, server, results):
     results.put("aborts", {"counters": d, **extra})
     assert extra["server_healthy"], extra
     assert len(kept) == N_CLIENTS - N_DISCONNECT, extra
+    # The engine finished every kept request once, to its length; the
+    # disconnected ones, if it counts them, as aborts.
+    assert d["request_success"].get("length", 0) == len(kept), extra
+    assert d["request_success"].get("abort", 0) <= N_DISCONNECT, extra
     assert now["kv_cache_usage"] == 0 and now["num_requests_running"] == 0, extra
     assert not sh.spec_counter_problems(d, K), sh.spec_counter_problems(d, K)
     got = {i: t for i, t, _ in res}
