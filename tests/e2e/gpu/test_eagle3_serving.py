@@ -473,19 +473,22 @@ def test_aborts_and_disconnects(pair, clean, server, results):
     w = clean["workloads"]["clients"]
     rng = random.Random(800)
     drop = set(rng.sample(range(N_CLIENTS), N_DISCONNECT))
-    after = {i: rng.randint(1, CLIENT_TOKENS // 4) for i in drop}
+    # Each leaving client closes its stream once it holds this many tokens
+    # (a chunk may carry several: speculation, and deltas merged for a slow
+    # reader), unless its request has finished by then.
+    after = {i: rng.randint(1, CLIENT_TOKENS // 2) for i in drop}
     model = str(pair.target)
 
     async def one(client, i):
         stream = await client.completions.create(
             model=model, prompt=w.prompts[i], max_tokens=CLIENT_TOKENS, temperature=0.0, stream=True,
             extra_body={"return_token_ids": True, "ignore_eos": True})
-        toks, chunks = [], 0
+        toks, finished = [], False
         async for chunk in stream:
-            chunks += 1
             if chunk.choices:
                 toks += _ids(chunk.choices[0])
-            if i in after and chunks >= after[i]:
+                finished = finished or chunk.choices[0].finish_reason is not None
+            if i in after and not finished and len(toks) >= after[i]:
                 await stream.close()  # the client goes away mid-stream
                 return i, toks, "disconnected"
         return i, toks, "done"
@@ -509,18 +512,19 @@ def test_aborts_and_disconnects(pair, clean, server, results):
         time.sleep(0.5)
     d = sh.delta(before, now)
     kept = sorted(i for i, _, s in res if s == "done")
+    gone = sorted(i for i, _, s in res if s == "disconnected")
     plain = clean["plain"]["clients"][0]
-    extra = {"clients": N_CLIENTS, "disconnected": sorted(drop), "server_healthy": server.healthy(),
+    extra = {"clients": N_CLIENTS, "disconnected": gone, "server_healthy": server.healthy(),
              "kv_cache_usage_after": now["kv_cache_usage"], "running_after": now["num_requests_running"],
              "waiting_after": now["num_requests_waiting"], "seconds_to_empty": time.perf_counter() - t0,
              "request_success": d["request_success"]}
     results.put("aborts", {"counters": d, **extra})
     assert extra["server_healthy"], extra
-    assert len(kept) == N_CLIENTS - N_DISCONNECT, extra
-    # The engine finished every kept request once, to its length; the
-    # disconnected ones, if it counts them, as aborts.
-    assert d["request_success"].get("length", 0) == len(kept), extra
-    assert d["request_success"].get("abort", 0) <= N_DISCONNECT, extra
+    # Most leaving clients left mid-request (the case tests aborts at all).
+    assert len(gone) >= N_DISCONNECT // 2 and len(kept) + len(gone) == N_CLIENTS, extra
+    # The engine finished every kept request, once, to its length (one
+    # that finished while its client was leaving counts as finished too).
+    assert len(kept) <= d["request_success"].get("length", 0) <= N_CLIENTS, extra
     assert now["kv_cache_usage"] == 0 and now["num_requests_running"] == 0, extra
     assert not sh.spec_counter_problems(d, K), sh.spec_counter_problems(d, K)
     got = {i: t for i, t, _ in res}
