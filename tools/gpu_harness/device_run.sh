@@ -144,19 +144,21 @@ for s in $STAGES; do
       stage "$s" ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" env ${b:+EAGLE3_BACKENDS=$b} \
         python3 tools/gpu_harness/prod_check.py backends --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ;;
     serving|serving-calibrate|serving-soak)
-      # tests/e2e/gpu/test_eagle3_serving.py. serving: cases 1-5, the two pairs
-      # side by side; serving-calibrate: calibrate alone (its engines take 0.9
-      # of the GPU) on the dsv3 pair, trained again unless a serving stage of
-      # this call left it in EAGLE3_SERVING_WORK; serving-soak: the 3-minute
-      # soak, one pair after the other.
+      # tests/e2e/gpu/test_eagle3_serving.py. serving: cases 1-5, the pairs
+      # (SERVING_PAIRS, default "dsv3 kimi") side by side; serving-calibrate:
+      # calibrate alone (its engines take 0.9 of the GPU) on the dsv3 pair,
+      # trained again unless a serving stage of this call left it in
+      # EAGLE3_SERVING_WORK; serving-soak: the 3-minute soak, pair after pair.
       export EAGLE3_SERVING_WORK=${EAGLE3_SERVING_WORK:-/tmp/eagle3_serving_work}
       P=(python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_serving.py)
       case $s in
-        serving) for p in dsv3 kimi; do
-                   stage "serving-$p" ${SERVING_LIMIT_S:-480} "$OUT/serving-$p.log" "${P[@]}" -k "$p and not soak" &
+        serving) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
+                   stage "serving-$p" ${SERVING_LIMIT_S:-540} "$OUT/serving-$p.log" "${P[@]}" -k "$p and not soak" &
                  done; wait ;;
-        serving-calibrate) stage "$s" ${CALIBRATE_LIMIT_S:-400} "$OUT/$s.log" "${P[@]}" -k calibrate ;;
-        serving-soak) stage "$s" ${SOAK_LIMIT_S:-540} "$OUT/$s.log" "${P[@]}" -k soak ;;
+        serving-calibrate) stage "$s" ${CALIBRATE_LIMIT_S:-540} "$OUT/$s.log" "${P[@]}" -k calibrate ;;
+        serving-soak) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
+                        stage "$s-$p" ${SOAK_LIMIT_S:-540} "$OUT/$s-$p.log" "${P[@]}" -k "soak and $p"
+                      done ;;
       esac
       grep -hE "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT"/serving-*.log | tail -30 ;;
     kernels) ;;  # built above, before setup
