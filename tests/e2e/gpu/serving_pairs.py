@@ -19,14 +19,15 @@ geometry):
    dequantized text view for INT4; fp64_reference.load: vLLM's routing) on
    the GPU in float32, with no vLLM engine (engine starts are what the
    suite's time goes to);
-3. a Llama-architecture drafter is trained on those states
-   (bench_eagle3.train: k = 3, training-time-test unrolling).
+3. a drafter is trained on those states (bench_eagle3.train: k = 3,
+   training-time-test unrolling): Llama-architecture for deepseek-v3, the
+   MLA layout for kimi-k25-int4.
 
 The drafter learns from transformers' layer inputs and is then served by
 vLLM: its acceptance is high only if vLLM hands it the same states. The
-Kimi pair also gets an MLA drafter (``eagle3-mla-drafter``, model type
-kimi_k2), trained the same way by bench_eagle3.train's loop with the MLA
-draft layer in place of the Llama one (MLADrafter).
+Kimi pair's drafter is the published eagle3-mla layout (model type
+kimi_k2), trained by bench_eagle3.train's loop with the MLA draft layer in
+place of the Llama one (MLADrafter).
 Everything lands in DIR with DIR/pair.json last (an existing pair.json is
 reused).
 
@@ -237,7 +238,7 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device
         return json.loads(done.read_text())
     import torch
 
-    from bench_eagle3 import _prompts, train, train_target
+    from bench_eagle3 import _prompts, predicted_acceptance_length, train, train_target
 
     work.mkdir(parents=True, exist_ok=True)
     tiny = h._tiny()
@@ -269,19 +270,20 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device
     seqs, aux = _greedy_and_aux(view, prompts, device)
     torch.save({"aux": aux, "missing": [], "layer_ids": list(AUX_IDS)}, work / "aux.pt")
     rec["data_seconds"] = time.perf_counter() - t1
-    tr = train(target, rnd, seqs, [len(p) for p in prompts], work / "aux.pt", trained, drafter_steps,
-               device=device)
-    tr.pop("log", None)
-    rec["drafter_training"] = tr
-    if kind == "kimi-k25-int4":
+    if kind == "deepseek-v3":
+        tr = train(target, rnd, seqs, [len(p) for p in prompts], work / "aux.pt", trained, drafter_steps,
+                   device=device)
+        rec["drafter_training"] = tr
+        rec["drafter_trained"] = str(trained)
+    else:  # the Kimi pair serves the MLA drafter only
         mla = work / "drafter_mla_trained"
         tr = train_mla(target, mla_rnd, seqs, [len(p) for p in prompts], work / "aux.pt", mla,
                        drafter_steps, device)
-        tr.pop("log", None)
         rec["mla_drafter_training"] = tr
         rec["mla_drafter"] = str(mla)
-    rec.update(target=str(target), view=str(view), drafter_trained=str(trained),
-               drafter_random=str(rnd), seconds=time.perf_counter() - t0)
+    tr.pop("log", None)
+    tr["predicted_acceptance_length"] = predicted_acceptance_length(tr["kept_val_acc"])
+    rec.update(target=str(target), view=str(view), drafter_random=str(rnd), seconds=time.perf_counter() - t0)
     done.write_text(json.dumps(rec, indent=1))
     return rec
 
