@@ -38,6 +38,8 @@
 #   backends  prod_check.py backends: the target forced to each MLA backend,
 #          plain and with each drafter (served / refused at start / failed);
 #          backends-A,B runs only backends A and B (EAGLE3_BACKENDS)
+#   serving  tests/e2e/gpu/test_eagle3_serving.py: EAGLE-3 under serving conditions, both
+#          pairs side by side; serving-calibrate its calibrate case; serving-soak its soak
 #   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
 #          (without this stage, KERNELS=DIR or KERNELS=kernels-libs.tar.xz names
 #          an earlier build; setup refuses to run without one)
@@ -146,6 +148,24 @@ for s in $STAGES; do
       b=${s#backends}; b=${b#-}
       stage "$s" ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" env ${b:+EAGLE3_BACKENDS=$b} \
         python3 tools/gpu_harness/prod_check.py backends --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ;;
+    serving|serving-calibrate|serving-soak)
+      # tests/e2e/gpu/test_eagle3_serving.py. serving: cases 1-5, the pairs
+      # (SERVING_PAIRS, default "dsv3 kimi") side by side; serving-calibrate:
+      # calibrate alone (its engines take 0.9 of the GPU) on the dsv3 pair,
+      # trained again unless a serving stage of this call left it in
+      # EAGLE3_SERVING_WORK; serving-soak: the 3-minute soak, pair after pair.
+      export EAGLE3_SERVING_WORK=${EAGLE3_SERVING_WORK:-/tmp/eagle3_serving_work}
+      P=(python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_serving.py)
+      case $s in
+        serving) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
+                   stage "serving-$p" ${SERVING_LIMIT_S:-540} "$OUT/serving-$p.log" "${P[@]}" -k "$p and not soak" &
+                 done; wait ;;
+        serving-calibrate) stage "$s" ${CALIBRATE_LIMIT_S:-540} "$OUT/$s.log" "${P[@]}" -k calibrate ;;
+        serving-soak) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
+                        stage "$s-$p" ${SOAK_LIMIT_S:-540} "$OUT/$s-$p.log" "${P[@]}" -k "soak and $p"
+                      done ;;
+      esac
+      grep -hE "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT"/serving-*.log | tail -30 ;;
     kernels) ;;  # built above, before setup
     *) echo "unknown stage $s" ;;
   esac
