@@ -174,7 +174,7 @@ def spec_counter_problems(d: dict[str, Any], k: int) -> list[str]:
 # ---------------------------------------------------------------------------
 
 # The language the pairs are trained on: t[i+1] = f(t[i-1]) with 15% noise.
-from bench_eagle3 import rule_sequence, skip_rule  # noqa: E402
+from tools.gpu_harness.data import rule_sequence, skip_rule  # noqa: E402
 
 def rule_prompts(n: int, seed: int, lo: int = 8, hi: int = 24) -> list[list[int]]:
     rng, f = random.Random(seed), skip_rule()

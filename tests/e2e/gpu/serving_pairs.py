@@ -150,7 +150,7 @@ def mla_drafter_class():
     Llama drafter's."""
     import torch
 
-    from bench_eagle3 import Drafter, _rms
+    from tools.gpu_harness.training import Drafter, _rms
 
     class MLADrafter(Drafter):
         def __init__(self, cfg, weights, embed, device):
@@ -225,10 +225,10 @@ def train_mla(target, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
     """bench_eagle3.train with its Drafter replaced by the MLA draft layer."""
     from unittest import mock
 
-    import bench_eagle3
+    from tools.gpu_harness import training
 
-    with mock.patch.object(bench_eagle3, "Drafter", mla_drafter_class()):
-        return bench_eagle3.train(target, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, device=device)
+    with mock.patch.object(training, "Drafter", mla_drafter_class()):
+        return training.train(target, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, device=device)
 
 
 def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device: str = "cuda") -> dict:
@@ -238,7 +238,8 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device
         return json.loads(done.read_text())
     import torch
 
-    from bench_eagle3 import _prompts, predicted_acceptance_length, train, train_target
+    from tools.gpu_harness.data import rule_prompts as _prompts
+    from tools.gpu_harness.training import predicted_acceptance_length, train, train_target
 
     work.mkdir(parents=True, exist_ok=True)
     tiny = h._tiny()
@@ -251,7 +252,7 @@ def prepare(kind: str, work: Path, target_steps: int, drafter_steps: int, device
         rec["target_training"] = train_target(target, target_steps, device=device)
         view = target
     else:
-        from int4_check import published_quantization_config
+        from tools.gpu_harness.data import published_quantization_config
 
         bf16, target = work / "kimi_k25_bf16", work / "kimi_k25_int4"
         tiny.write_checkpoint("kimi-k25", bf16, seed=0, **ckw)

@@ -684,7 +684,7 @@ def _calibrate(drafter: Path, target: Path, prompts: Path, write: bool):
 
 
 def test_calibrate_on_gpu(tmp_path_factory, results_dir):
-    from bench_eagle3 import _write_shifted
+    from tools.gpu_harness.data import with_aux_ids as _write_shifted
 
     p = prepare_pair("dsv3", _work_root(tmp_path_factory))
     trained = p.drafter
