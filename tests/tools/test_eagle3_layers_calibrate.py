@@ -51,14 +51,11 @@ def _harness() -> Any:
 
 
 def _bench() -> Any:
-    """tools/gpu_harness/bench_eagle3.py: its pure-torch drafter (the math of
+    """tools/gpu_harness/training.py: its pure-torch drafter (the math of
     vLLM's Llama EAGLE-3 drafter) trains the drafters; the tool never uses it."""
-    path = str(REPO_ROOT / "tools" / "gpu_harness")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import bench_eagle3
+    from tools.gpu_harness import training
 
-    return bench_eagle3
+    return training
 
 
 def _texts(n: int, seed: int) -> list[str]:
@@ -91,7 +88,7 @@ def _train(root: Path, name: str, states: list[dict[int, torch.Tensor]], seqs: l
     mask = torch.zeros_like(toks)
     for row, p in enumerate(prompt_lens):
         mask[row, p:] = 1
-    step = bench._optimizer(drafter.params(), 3e-3, steps)
+    step = bench.optimizer(drafter.params(), 3e-3, steps)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         idx = torch.randint(0, len(seqs), (16,), generator=gen)

@@ -26,15 +26,20 @@
 #   int4   tests/e2e/gpu/test_eagle3_int4.py: Kimi-K2.5 INT4 (Marlin MoE) aux
 #          states, speculators' generator, acceptance; int4-aux and
 #          int4-acceptance run one of the two tests
-#   speed  bench_eagle3.py speed: plain vs EAGLE-3 decode tok/s, interleaved
+#   speed  speed.py: plain vs EAGLE-3 decode tok/s, interleaved
 #          repeats (needs bench-prod's artifacts.tar.gz, or SPEED_ARTIFACTS)
-#   profile  bench_eagle3.py profile: torch-profiler breakdown of one plain and
+#   profile  step_profile.py: torch-profiler breakdown of one plain and
 #          one EAGLE-3 engine's decode steps (needs the same artifacts as speed)
 #   project  project.py run: per-rank DeepSeek-V3 (PROJECT_ARGS="--model kimi-k25-int4": Kimi-K2.5 INT4) (TP = 8) step times at a
 #          few layer counts, for the 61-layer projection
+#   fulldepth  fulldepth.py run: plain and EAGLE-3 decode steps of one TP-8 rank at all 61
+#          layers (FULLDEPTH_ARGS, default "--model kimi-k25-int4": every engine, batch
+#          1-128, 3 repeats)
 #   backends  prod_check.py backends: the target forced to each MLA backend,
 #          plain and with each drafter (served / refused at start / failed);
 #          backends-A,B runs only backends A and B (EAGLE3_BACKENDS)
+#   serving  tests/e2e/gpu/test_eagle3_serving.py: EAGLE-3 under serving conditions, both
+#          pairs side by side; serving-calibrate its calibrate case; serving-soak its soak
 #   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
 #          (without this stage, KERNELS=DIR or KERNELS=kernels-libs.tar.xz names
 #          an earlier build; setup refuses to run without one)
@@ -129,18 +134,38 @@ for s in $STAGES; do
     speed)
       # The trained pair of an earlier bench-prod stage in this call (or SPEED_ARTIFACTS).
       rm -rf /tmp/speed-art && mkdir -p /tmp/speed-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/speed-art \
-        && stage speed ${SPEED_LIMIT_S:-400} "$OUT/speed.log" python3 tools/gpu_harness/bench_eagle3.py speed \
+        && stage speed ${SPEED_LIMIT_S:-400} "$OUT/speed.log" python3 tools/gpu_harness/speed.py \
              --artifacts /tmp/speed-art --out "$OUT/bench" ${SPEED_ARGS:-} ;;
     profile)
       rm -rf /tmp/profile-art && mkdir -p /tmp/profile-art && tar xzf "${SPEED_ARTIFACTS:-$OUT/bench/artifacts.tar.gz}" -C /tmp/profile-art \
-        && stage profile ${PROFILE_LIMIT_S:-300} "$OUT/profile.log" python3 tools/gpu_harness/bench_eagle3.py profile \
+        && stage profile ${PROFILE_LIMIT_S:-300} "$OUT/profile.log" python3 tools/gpu_harness/step_profile.py \
              --artifacts /tmp/profile-art --out "$OUT/profile" ${PROFILE_ARGS:-} ;;
     project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
                --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
+    fulldepth) stage fulldepth ${FULLDEPTH_LIMIT_S:-585} "$OUT/fulldepth.log" python3 tools/gpu_harness/fulldepth.py run \
+                 --out "$OUT/fulldepth" ${FULLDEPTH_ARGS:---model kimi-k25-int4} ;;
     backends|backends-*)
       b=${s#backends}; b=${b#-}
       stage "$s" ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" env ${b:+EAGLE3_BACKENDS=$b} \
         python3 tools/gpu_harness/prod_check.py backends --out "$OUT/prod" --work "/tmp/eagle3_work_$s" ;;
+    serving|serving-calibrate|serving-soak)
+      # tests/e2e/gpu/test_eagle3_serving.py. serving: cases 1-5, the pairs
+      # (SERVING_PAIRS, default "dsv3 kimi") side by side; serving-calibrate:
+      # calibrate alone (its engines take 0.9 of the GPU) on the dsv3 pair,
+      # trained again unless a serving stage of this call left it in
+      # EAGLE3_SERVING_WORK; serving-soak: the 3-minute soak, pair after pair.
+      export EAGLE3_SERVING_WORK=${EAGLE3_SERVING_WORK:-/tmp/eagle3_serving_work}
+      P=(python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_serving.py)
+      case $s in
+        serving) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
+                   stage "serving-$p" ${SERVING_LIMIT_S:-540} "$OUT/serving-$p.log" "${P[@]}" -k "$p and not soak" &
+                 done; wait ;;
+        serving-calibrate) stage "$s" ${CALIBRATE_LIMIT_S:-540} "$OUT/$s.log" "${P[@]}" -k calibrate ;;
+        serving-soak) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
+                        stage "$s-$p" ${SOAK_LIMIT_S:-540} "$OUT/$s-$p.log" "${P[@]}" -k "soak and $p"
+                      done ;;
+      esac
+      grep -hE "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT"/serving-*.log | tail -30 ;;
     kernels) ;;  # built above, before setup
     *) echo "unknown stage $s" ;;
   esac
@@ -148,6 +173,7 @@ done
 echo "== summary"; cat "$OUT/summary.log"
 for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log "$OUT"/prod.log "$OUT"/cache.log "$OUT"/dsa-*.log "$OUT"/int4*.log; do [[ -f $f ]] && { echo "== tail $f"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed|^RUN|^AGREE|^SERVER|^MATRIX|^CACHE|^CONTROL|^DSA|^INT4|^REF|^RESULT" "$f" | cut -c1-1200 | tail -24; }; done
 [[ -f $OUT/profile.log ]] && { echo "== profile"; grep -E "^PROFILE|Error" "$OUT/profile.log" | cut -c1-1500 | tail -4; }
+[[ -f $OUT/fulldepth.log ]] && { echo "== fulldepth"; grep -E "^ENGINE|^SKIP|Error|Traceback|Killed|out of memory" "$OUT/fulldepth.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }

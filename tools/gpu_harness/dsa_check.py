@@ -44,22 +44,24 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Run as a script, or imported by its bare name from the GPU tests: the
+# repository root goes last on sys.path (so `tools.gpu_harness` resolves and
+# the installed vllm stays first).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_e2e_helpers as h  # noqa: E402
+from tools.gpu_harness.data import dense_view  # noqa: E402
+from tools.gpu_harness.engine import LONG, MAX_TOKENS, PROMPT_LENGTHS, aux_run  # noqa: E402
 
 # Index heads of the published configs (zai-org/GLM-5, deepseek-ai/DeepSeek-V3.2).
 KINDS = {"glm5": 32, "deepseek-v32": 64}
 # FLASHMLA_SPARSE takes index_topk in multiples of 128 (flashmla_sparse.py:308).
 DSA_GEOMETRY = {"index_head_dim": 128, "index_topk": 128}
-PROMPT_LENGTHS = [5, 40, 256]
-LONG = 2  # the prompt whose states are checked
-MAX_TOKENS = 32
 AUX_IDS = (1, 3, 6)
 
 
@@ -71,36 +73,6 @@ def write_models(kind: str, work: Path) -> tuple[Path, Path]:
     tiny.write_checkpoint("eagle3-drafter", drafter, seed=6, dtype=kw["dtype"],
                           aux_layer_ids=AUX_IDS, **h.drafter_shape())
     return target, drafter
-
-
-def engine(target: str, drafter: str | None, out: Path, capture: Path | None, **extra) -> None:
-    """One engine in this process (``extra``: more LLM arguments): greedy
-    tokens, counters, the engine's facts (engine_facts), and (capture) the
-    aux states of the long prompt's prefill as the proposer receives them."""
-    if capture is not None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    h.configure_env()
-    import torch
-    from vllm import LLM
-
-    prompts = h.token_prompts(PROMPT_LENGTHS, seed=0)
-    t0 = time.perf_counter()
-    llm = LLM(**h.engine_kwargs(target, drafter, **extra))
-    rec = {"engine_start_s": time.perf_counter() - t0, "profile": h.profile(), "engine": h.engine_facts(llm)}
-    if capture is not None:
-        from bench_eagle3 import record_prefill_aux
-
-        got, rec["aux_layer_ids"] = record_prefill_aux(llm, [prompts[LONG]["prompt_token_ids"]])
-    toks, metrics = h.generate_tokens(llm, prompts, MAX_TOKENS)
-    rec.update(tokens=toks, metrics=metrics)
-    if capture is not None:
-        if got[0] is None:
-            raise SystemExit("the long prompt's prefill never reached the proposer")
-        torch.save({"aux": got[0], "layer_ids": rec["aux_layer_ids"],
-                    "prompt": prompts[LONG]["prompt_token_ids"]}, capture)
-        rec["captured_shape"] = list(got[0].shape)
-    out.write_text(json.dumps(rec))
-    h.shutdown(llm)
 
 
 # ---------------------------------------------------------------------------
@@ -170,8 +142,7 @@ def layer_inputs(ckpt: Path, prompt: list[int], runs: dict[str, dict]) -> tuple[
     import torch
     from safetensors.torch import load_file
 
-    import bench_eagle3
-    import fp64_reference
+    from tools.gpu_harness import fp64_reference  # imports torch
 
     cfg = json.loads((ckpt / "config.json").read_text())
     nlay, topk = cfg["num_hidden_layers"], cfg["index_topk"]
@@ -179,7 +150,7 @@ def layer_inputs(ckpt: Path, prompt: list[int], runs: dict[str, dict]) -> tuple[
     idx = {i: {k.split(".indexer.", 1)[1]: v.double() for k, v in weights.items()
                if k.startswith(f"model.layers.{i}.self_attn.indexer.")} for i in range(nlay)}
     # transformers 4.57 has no DSA model: a DeepSeek-V3 view of the same weights.
-    view = bench_eagle3.dense_view(ckpt)
+    view = dense_view(ckpt)
     model = fp64_reference.load(view)
     model.config._attn_implementation = "eager"
     margins: list[float] = []
@@ -380,7 +351,7 @@ def main(argv=None) -> int:
         reference(target, None, args.out)
         return 0
     if args.cmd == "engine":
-        engine(args.target, None if args.drafter == "-" else args.drafter, args.out, args.capture)
+        aux_run(args.target, None if args.drafter == "-" else args.drafter, args.out, args.capture)
         return 0
     reference(args.ckpt, args.aux, args.out)  # the verdict is in OUT's "ok"
     return 0

@@ -43,16 +43,20 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Run as a script, or imported by its bare name from the GPU tests: the
+# repository root goes last on sys.path (so `tools.gpu_harness` resolves and
+# the installed vllm stays first).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_e2e_helpers as h  # noqa: E402
+# The prompts, the long one whose states are checked and the tokens served,
+# as dsa_check.py: engine.py's.
+from tools.gpu_harness.data import PUBLISHED_KIMI, published_quantization_config  # noqa: E402, F401
+from tools.gpu_harness.engine import LONG, MAX_TOKENS, PROMPT_LENGTHS, aux_run  # noqa: E402
+from tools.gpu_harness.training import train_target_apart  # noqa: E402
 
-PUBLISHED_KIMI = (REPO_ROOT / "tests" / "v1" / "spec_decode" / "published_configs"
-                  / "moonshotai-kimi-k25-target" / "config.json")
-# The prompts, the long one whose states are checked and the tokens served:
-# dsa_check.py's, whose engine() serves here too.
-from dsa_check import LONG, MAX_TOKENS, PROMPT_LENGTHS  # noqa: E402
 
 AUX_IDS = (1, 3, 6)
 # A random tiny target is chaotic at bf16: a routing near-tie at one token
@@ -66,11 +70,6 @@ KIMI_EXTRA = {"limit_mm_per_prompt": {"vision_chunk": 0}}
 MARLIN = "CompressedTensorsWNA16MarlinMoEMethod"
 
 
-def published_quantization_config() -> dict:
-    """Kimi-K2.5's quantization_config as published (it sits in text_config)."""
-    return json.loads(PUBLISHED_KIMI.read_text())["text_config"]["quantization_config"]
-
-
 def write_models(work: Path, train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
     """The INT4 target (its text model trained ``train_steps`` on the bench's
     language first, then quantized, as a release is; 0: random weights), its
@@ -82,8 +81,6 @@ def write_models(work: Path, train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
     tiny.write_checkpoint("kimi-k25", p["bf16"], seed=7, **kw)
     text = None
     if train_steps:
-        from bench_eagle3 import train_target_apart
-
         text = tiny.kimi_text_view(p["bf16"], work / "kimi_k25_text")
         train_target_apart(text, train_steps, work)
     tiny.write_kimi_k25_int4(p["bf16"], p["int4"], published_quantization_config(), text_weights=text)
@@ -94,11 +91,9 @@ def write_models(work: Path, train_steps: int = TRAIN_STEPS) -> dict[str, Path]:
 
 
 def engine(target: str, drafter: str | None, out: Path, capture: Path | None) -> None:
-    """dsa_check.engine (tokens, counters, engine facts, the long prompt's aux
+    """engine.aux_run (tokens, counters, engine facts, the long prompt's aux
     states) with Kimi-K2.5 served text only."""
-    from dsa_check import engine as serve
-
-    serve(target, drafter, out, capture, **KIMI_EXTRA)
+    aux_run(target, drafter, out, capture, **KIMI_EXTRA)
 
 
 def speculators_states(target: Path, layer_ids: list[int], prompt: list[int], out: Path) -> None:
@@ -138,7 +133,7 @@ def layer_inputs(view: Path, prompt: list[int], dtypes, margins: list | None = N
     layer order."""
     import torch
 
-    import fp64_reference
+    from tools.gpu_harness import fp64_reference  # imports torch
 
     model = fp64_reference.load(view)
     model.config._attn_implementation = "eager"

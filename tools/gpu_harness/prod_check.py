@@ -45,10 +45,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Run as a script: the repository root goes last on sys.path (so
+# `tools.gpu_harness` resolves and the installed vllm stays first).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e" / "gpu"))
 
 os.environ.setdefault("EAGLE3_GPU_PROFILE", "production")
 import gpu_e2e_helpers as h  # noqa: E402
+from tools.gpu_harness import data  # noqa: E402
 
 KIMI_EXTRA = {"limit_mm_per_prompt": {"vision_chunk": 0}}
 KIMI_PROMPTS = ["Kimi, tell me a short story about a very small random model.", "2 + 2 ="]
@@ -219,10 +224,7 @@ def server(out: Path, work: Path, port: int | None = None, target: Path | None =
 
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
         if rule_prompts:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from bench_eagle3 import _prompts
-
-            prompts = [p["prompt_token_ids"] for p in _prompts(16, seed=2000)]
+            prompts = [p["prompt_token_ids"] for p in data.rule_prompts(16, seed=2000)]
         else:
             prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3)
                        for i in range(16)]

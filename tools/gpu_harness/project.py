@@ -350,7 +350,7 @@ def project_gpu(wall: dict[str, dict[int, float]], gpu: dict[str, dict[int, floa
 def _gpu_step_ms(trace_dir: Path, seen: set[str]) -> float:
     """Median GPU kernel time per decode step of the worker trace written
     under ``trace_dir`` that is not in ``seen`` (which it joins)."""
-    from bench_eagle3 import step_breakdown, worker_trace
+    from tools.gpu_harness.step_trace import step_breakdown, worker_trace
 
     path, trace = worker_trace(trace_dir, seen)
     seen.add(path)

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """EAGLE-3 aux capture under tensor and pipeline parallelism on the real vLLM
-v0.16.0 CPU engine (the CPU part of issue 6). With world size 2 vLLM's
-MultiprocExecutor spawns one worker process per rank (gloo and shared-memory
-all-reduce, as ``vllm serve --tensor-parallel-size 2`` on CPU);
-``collective_rpc`` brings back every rank's recording.
+v0.16.0 CPU engine. With world size 2 or 4 vLLM's MultiprocExecutor spawns
+one worker process per rank (gloo and shared-memory all-reduce, as
+``vllm serve --tensor-parallel-size N`` on CPU); ``collective_rpc`` brings
+back every rank's recording.
 
-TP = 2: both ranks capture, per step and id, the full [tokens, hidden] state
+TP = 2 and TP = 4 (the tiny target's 4 heads, the largest split it takes;
+about 3 minutes on 2 cores): every rank captures, per step and id, the full [tokens, hidden] state
 (not a TP or token shard), bitwise equal across ranks and equal to TP = 1
 within the DeepSeek-V3 tolerance; greedy tokens equal TP = 1. v0.16.0 turns
 sequence-parallel MoE on only with EP and DP > 1 (4 ranks, not on 2 cores):
@@ -85,9 +86,43 @@ def tp2(harness: ModuleType, tiny_ckpts: dict[str, Any], worker_processes: Any) 
     return _run(harness, tiny_ckpts, draft, tensor_parallel_size=2, **MP)
 
 
+@pytest.fixture(scope="module")
+def tp4(harness: ModuleType, tiny_ckpts: dict[str, Any], worker_processes: Any) -> dict:
+    """TP = 4, the largest world the tiny target splits over (4 attention
+    heads), on 2 cores: four worker processes, one OpenMP thread each, left
+    unbound (the default binding wants a core per rank)."""
+    draft = tiny_ckpts["draft_all_ids"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        mp.setenv("OMP_NUM_THREADS", "1")
+        return _run(harness, tiny_ckpts, draft, tensor_parallel_size=4, **MP)
+
+
 def test_tp2_aux_states_full_identical_on_ranks_and_equal_to_tp1(
     harness: ModuleType, tiny_ckpts: dict[str, Any], tp1: dict[str, Any],
     tp2: dict[str, Any], record_property: Any,
+) -> None:
+    _check_tp_aux(harness, tiny_ckpts, tp1, tp2, 2, record_property)
+
+
+def test_tp4_aux_states_full_identical_on_ranks_and_equal_to_tp1(
+    harness: ModuleType, tiny_ckpts: dict[str, Any], tp1: dict[str, Any],
+    tp4: dict[str, Any], record_property: Any,
+) -> None:
+    _check_tp_aux(harness, tiny_ckpts, tp1, tp4, 4, record_property)
+
+
+def test_tp4_greedy_equals_tp1(
+    harness: ModuleType, tp1: dict[str, Any], tp4: dict[str, Any]
+) -> None:
+    assert tp4["prompt_ids"] == tp1["prompt_ids"]
+    for got, want in zip(tp4["output_ids"], tp1["output_ids"], strict=True):
+        assert got == want
+
+
+def _check_tp_aux(
+    harness: ModuleType, tiny_ckpts: dict[str, Any], tp1: dict[str, Any],
+    tpn: dict[str, Any], size: int, record_property: Any,
 ) -> None:
     config = json.loads((Path(tiny_ckpts["dsv3"]) / "config.json").read_text())
     n_layers = config["num_hidden_layers"]
@@ -96,29 +131,31 @@ def test_tp2_aux_states_full_identical_on_ranks_and_equal_to_tp1(
     hidden = config["hidden_size"]
     n_moe = n_layers - config["first_k_dense_replace"]
 
-    # Two real worker processes, TP ranks 0 and 1 of one pipeline stage.
-    info = tp2["parallel_info"]
+    # One real worker process per TP rank, one pipeline stage.
+    info = tpn["parallel_info"]
     layout = [(i["rank"], i["tp_rank"], i["tp_size"], i["pp_size"]) for i in info]
-    assert layout == [(0, 0, 2, 1), (1, 1, 2, 1)], info
+    assert layout == [(r, r, size, 1) for r in range(size)], info
     pids = {i["pid"] for i in info}
-    assert len(pids) == 2 and os.getpid() not in pids, info
+    assert len(pids) == size and os.getpid() not in pids, info
     # Sequence-parallel MoE off in every MoE block (the first
     # first_k_dense_replace layers are dense).
     assert n_moe > 0
     assert all(i["moe_sequence_parallel"] == [False] * n_moe for i in info), info
     assert tp1["parallel_info"][0]["tp_size"] == 1
 
-    rep0, rep1 = tp2["reports"]
-    for rep in (rep0, rep1, tp1["reports"][0]):
+    rep0, *others = tpn["reports"]
+    assert len(others) == size - 1
+    for rep in (rep0, *others, tp1["reports"][0]):
         assert rep["model_class"] == "DeepseekV3ForCausalLM"
         assert rep["use_aux_hidden_state_outputs"] is True
         assert rep["setup"].source == "draft config"
         assert rep["setup"].aux_layers == ids
 
-    # Same steps on the same tokens on both ranks; every state is the full
+    # Same steps on the same tokens on every rank; every state is the full
     # [scheduled tokens, hidden] tensor, bitwise equal across ranks.
-    assert len(rep0["steps"]) == len(rep1["steps"]) > 0
-    for s0, s1 in zip(rep0["steps"], rep1["steps"]):
+    steps = [s for rep in others for s in zip(rep0["steps"], rep["steps"], strict=True)]
+    assert rep0["steps"] and len(steps) == (size - 1) * len(rep0["steps"])
+    for s0, s1 in steps:
         assert s0["req_ids"] == s1["req_ids"]
         assert s0["num_scheduled"] == s1["num_scheduled"]
         assert torch.equal(s0["input_ids"], s1["input_ids"])
@@ -130,7 +167,7 @@ def test_tp2_aux_states_full_identical_on_ranks_and_equal_to_tp1(
 
     # Per request against TP = 1 (same tokens fed: greedy outputs agree).
     max_diff, min_gap = 0.0, float("inf")
-    for r1, r2 in zip(harness.run_rows(tp1), harness.run_rows(tp2), strict=True):
+    for r1, r2 in zip(harness.run_rows(tp1), harness.run_rows(tpn), strict=True):
         assert torch.equal(r1.input_ids, r2.input_ids)
         for k, (a1, a2) in enumerate(zip(r1.aux, r2.aux, strict=True)):
             assert a1.shape == a2.shape == (r1.input_ids.shape[0], hidden)
@@ -140,13 +177,13 @@ def test_tp2_aux_states_full_identical_on_ranks_and_equal_to_tp1(
                 if 0 <= j < len(ids):
                     gap = (a1 - r1.aux[j]).abs().amax(dim=-1).min().item()
                     min_gap = min(min_gap, gap)
-    record_property("max_abs_diff_tp1_tp2", max_diff)
-    record_property("min_neighbour_gap", min_gap)
-    record_property("tp2_engine_start_s", tp2["start_s"])
+    record_property(f"max_abs_diff_tp1_tp{size}", max_diff)
+    record_property(f"min_neighbour_gap_tp{size}", min_gap)
+    record_property(f"tp{size}_engine_start_s", tpn["start_s"])
     print(
-        f"\nTP=2 vs TP=1 aux: max |diff| {max_diff:.3g} (ATOL {ATOL}), "
-        f"min neighbour gap {min_gap:.3g}; TP=2 engine start {tp2['start_s']:.1f} s, "
-        f"run {tp2['total_s']:.1f} s; TP=1 run {tp1['total_s']:.1f} s"
+        f"\nTP={size} vs TP=1 aux: max |diff| {max_diff:.3g} (ATOL {ATOL}), "
+        f"min neighbour gap {min_gap:.3g}; TP={size} engine start {tpn['start_s']:.1f} s, "
+        f"run {tpn['total_s']:.1f} s; TP=1 run {tp1['total_s']:.1f} s"
     )
     assert max_diff <= ATOL, max_diff
     assert min_gap >= MIN_MARGIN * ATOL, min_gap

@@ -66,8 +66,9 @@ def checkpoint_kwargs() -> dict[str, Any]:
 
 # tiny_checkpoints and the harness tools are scripts, not an installed
 # package: their folders go last on sys.path (the installed vllm stays first)
-# and they are imported by name.
-for _d in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "gpu_harness"):
+# and they are imported by name; the repository root too, for the harness's
+# shared modules (tools.gpu_harness.engine, ...).
+for _d in (REPO_ROOT / "tools", REPO_ROOT / "tools" / "gpu_harness", REPO_ROOT):
     if str(_d) not in sys.path:
         sys.path.append(str(_d))
 

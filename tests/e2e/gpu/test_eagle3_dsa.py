@@ -62,18 +62,19 @@ def test_dsa_aux_states_match_float64_reference(kind, tmp_path, results_dir):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_dsa_acceptance_of_a_trained_drafter(kind, tmp_path, results_dir):
+def test_dsa_acceptance_of_a_trained_drafter(kind, tmp_path, results_dir, monkeypatch):
     bench = _tool("bench_eagle3")
     out = results_dir / f"bench_{kind}"
     out.mkdir(parents=True, exist_ok=True)
     # Prompt (8-24) + continuation <= index_topk (128): the dense-trained target serves as trained.
-    bench.GEN_TOKENS = 96
+    monkeypatch.setattr(_tool("tools.gpu_harness.engine"), "GEN_TOKENS", 96)
     # No early-ids control: nothing here asserts on it, and each DSA stage of
     # device_run.sh runs both tests of a target in 540 s (about 505 s in call 36).
     bench.run_all(out, tmp_path / "work", steps=1500, target_steps=400, kind=kind, early_control=False)
     r = json.loads((out / "bench_eagle3.json").read_text())
     assert not r.get("errors"), r.get("errors")
     assert r["target_training"]["final_rule_accuracy"] >= 0.99
-    for b in bench.PROD_BATCHES:
+    assert r["gen_tokens"] == 96
+    for b in (1, 8, 32):
         assert r["eagle3_trained"][f"batch{b}"]["mean_acceptance_length"] >= 3.0, r["eagle3_trained"]
         assert r["eagle3_random"][f"batch{b}"]["mean_acceptance_length"] <= 1.2, r["eagle3_random"]

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench_eagle3.step_breakdown reads a real torch-profiler trace: the CPU
+"""step_trace.step_breakdown reads a real torch-profiler trace: the CPU
 time and call count of each of vLLM's runner ranges agree with the
 profiler's own aggregation (key_averages). Not marked ``gpu``: on CPU the
-trace has no CUDA launches, which the GPU run (``bench_eagle3.py profile``)
+trace has no CUDA launches, which the GPU run (``step_profile.py``)
 adds."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import bench_eagle3
+from tools.gpu_harness import step_trace
 
 
 def test_breakdown_matches_the_profilers_own_totals(tmp_path):
@@ -29,9 +30,9 @@ def test_breakdown_matches_the_profilers_own_totals(tmp_path):
                 y = y @ x
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
-    got = bench_eagle3.step_breakdown(json.loads(path.read_text()))["ranges"]
-    want = {e.key[len(bench_eagle3.RUNNER_RANGES):]: e for e in prof.key_averages()
-            if e.key.startswith(bench_eagle3.RUNNER_RANGES)}
+    got = step_trace.step_breakdown(json.loads(path.read_text()))["ranges"]
+    want = {e.key[len(step_trace.RUNNER_RANGES):]: e for e in prof.key_averages()
+            if e.key.startswith(step_trace.RUNNER_RANGES)}
     assert set(got) == set(want) == {"forward", "sample", "draft"}
     for name, e in want.items():
         assert got[name]["count"] == e.count
@@ -49,16 +50,16 @@ def test_steps_split_each_period_at_the_end_of_execute(tmp_path):
     x = torch.randn(128, 128)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(5):
-            with record_function(f"{bench_eagle3.STEP_RANGE}0(0)_generation_{i}(1)"):
+            with record_function(f"{step_trace.STEP_RANGE}0(0)_generation_{i}(1)"):
                 for _ in range(20):
                     x = (x @ x).tanh()
             time.sleep(0.003)
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
-    got = bench_eagle3.step_breakdown(json.loads(path.read_text()))["steps"]
+    got = step_trace.step_breakdown(json.loads(path.read_text()))["steps"]
     assert got["count"] == 3
     med = got["median"]
-    own = [e for e in prof.key_averages() if e.key.startswith(bench_eagle3.STEP_RANGE)]
+    own = [e for e in prof.key_averages() if e.key.startswith(step_trace.STEP_RANGE)]
     own_ms = sorted(e.cpu_time_total / 1000 for e in own)
     assert own_ms[0] * 0.9 <= med["execute_ms"] <= own_ms[-1] * 1.1
     # The 3 ms sleep, plus what little the loop does outside the range (a
@@ -93,9 +94,9 @@ def test_worker_trace_reads_the_worker_file_not_seen_yet(tmp_path):
     (tmp_path / "rank0.1.pt.trace.json").write_text(json.dumps({"who": "first"}))
     with gzip.open(tmp_path / "rank0.2.pt.trace.json.gz", "wt") as f:
         json.dump({"who": "second"}, f)
-    path, trace = bench_eagle3.worker_trace(tmp_path)
+    path, trace = step_trace.worker_trace(tmp_path)
     assert trace == {"who": "first"}
-    path, trace = bench_eagle3.worker_trace(tmp_path, {path})
+    path, trace = step_trace.worker_trace(tmp_path, {path})
     assert trace == {"who": "second"} and path.endswith(".gz")
     with pytest.raises(RuntimeError, match="no trace"):
-        bench_eagle3.worker_trace(tmp_path / "none")
+        step_trace.worker_trace(tmp_path / "none")

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Measure plain and EAGLE-3 decode steps at the full 61 layers of one TP-8 rank.
+
+    python3 tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --engines plain,llama,mla --out DIR   (a GPU)
+    python3 tools/gpu_harness/fulldepth.py summarize DIR/fulldepth_*.json                                  (anywhere)
+
+One rank's share of every layer of the published config (project.py's
+``geometry()``, the same per-rank target and drafters), all 61 layers, random
+weights (``load_format="dummy"``), vLLM's production settings: bf16, the
+backend vLLM picks, torch.compile and CUDA graphs (FULL_AND_PIECEWISE), async
+scheduling as vLLM 0.16 defaults it unless ``--async-scheduling`` says
+otherwise. Kimi-K2.5 INT4's experts must run on Marlin MoE and the target on
+an MLA backend, or the run stops: the step times would not be the model's.
+
+``run`` starts one engine per entry of ``--engines`` (plain, llama, mla), in
+that order, and in each times ``--gen-tokens`` greedy tokens at every batch of
+``--batches``, ``--repeats`` times, the batches interleaved within each repeat
+(1, 8, ..., 1, 8, ...), so drift over the engine's life spreads over every
+batch. Wall ms per step is the generate() wall over the steps taken: one per
+token plain, one per draft with EAGLE-3 (read from the spec-decode counters).
+After the timed repeats a short profiled window (vLLM's torch profiler) gives
+the median GPU kernel time per step; wall minus GPU time is the time the GPU
+sat idle in a step. The result file is rewritten after every batch, so a run
+cut short keeps what it measured.
+
+With random weights every draft is rejected (acceptance length 1.0), so a
+step's cost is measured without the speed-up; ``summarize`` gives the speed-up
+a drafter of acceptance length AL would bring, AL x plain wall / EAGLE-3 wall
+at AL 2.5 / 3.0 / 3.5, with its spread over the repeats (the lowest plain over
+the highest EAGLE-3 step, and the reverse). What it leaves out: the all-reduce
+between the 8 ranks (a plain step and a verify step pay it about equally, so
+it moves the speed-up toward AL), expert parallelism, long contexts (16-token
+prompts), and the cost of a draft's rejected tokens beyond the step itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Run as a script: the repository root goes last on sys.path (so
+# `tools.gpu_harness` resolves and the installed vllm stays first).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
+
+from tools.gpu_harness import project as pj  # noqa: E402  (the per-rank geometry; a layer below)
+
+ACCEPTANCE_LENGTHS = pj.ACCEPTANCE_LENGTHS
+ENGINE_KEYS = {"plain": "plain", **pj.DRAFTER_KEYS}  # plain, eagle3 (Llama), eagle3_mla
+DEFAULT_BATCHES = (1, 8, 32, 64, 128)
+
+
+def configs(model: str, engines: list[str], layers: int, work: Path) -> dict[str, Path | None]:
+    """Write the target's and each drafter's per-rank config under ``work``:
+    {engine: drafter dir or None for plain}, and work/target. Every config is
+    made, and Marlin checked, before any engine starts."""
+    spec = pj.MODELS[model]
+    if unknown := [e for e in engines if e != "plain" and e not in spec["drafters"]]:
+        raise ValueError(f"{model} has no drafter {unknown}: plain or one of {sorted(spec['drafters'])}")
+    tcfg = pj.geometry(pj.published_target(spec["target"]), layers)
+    if spec.get("moe_method") == "Marlin" and not pj.marlin_moe_supports(tcfg):
+        raise ValueError(f"{model} at {layers} layers: Marlin MoE cannot take this rank's experts")
+    (work / "target").mkdir(parents=True, exist_ok=True)
+    (work / "target" / "config.json").write_text(json.dumps(tcfg, indent=1))
+    out: dict[str, Path | None] = {}
+    for e in engines:
+        if e == "plain":
+            out[e] = None
+            continue
+        published = json.loads((pj.PUBLISHED / spec["drafters"][e] / "config.json").read_text())
+        d = work / f"drafter_{e}"
+        d.mkdir(exist_ok=True)
+        cfg = pj.DRAFTER_GEOMETRY[e](published, tcfg, pj.aux_ids(layers))
+        (d / "config.json").write_text(json.dumps(cfg, indent=1))
+        out[e] = d
+    return out
+
+
+def _scheduler_facts(llm) -> dict:
+    """What the engine decided: async scheduling, graph mode, spec settings."""
+    vc = llm.llm_engine.vllm_config
+    sc, cc, spec = vc.scheduler_config, vc.compilation_config, vc.speculative_config
+    facts = {"async_scheduling": sc.async_scheduling, "max_num_batched_tokens": sc.max_num_batched_tokens,
+             "max_num_seqs": sc.max_num_seqs, "cudagraph_mode": str(cc.cudagraph_mode),
+             "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes or [])}
+    if spec is not None:
+        facts["speculative"] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                                "disable_by_batch_size": spec.disable_by_batch_size,
+                                "disable_padded_drafter_batch": spec.disable_padded_drafter_batch}
+    return facts
+
+
+def _profiled_steps(traces: Path, seen: set[str]) -> dict:
+    from tools.gpu_harness.step_trace import step_breakdown, worker_trace
+
+    path, trace = worker_trace(traces, seen)
+    seen.add(path)
+    steps = step_breakdown(trace).get("steps")
+    if not steps:
+        raise RuntimeError(f"{path}: no decode steps (is VLLM_CUSTOM_SCOPES_FOR_PROFILING=1?)")
+    return steps
+
+
+def run(model: str, engines: list[str], out: Path, batches=DEFAULT_BATCHES, repeats: int = 3,
+        gen_tokens: int = 128, layers: int = pj.FULL_LAYERS, mem_util: float = 0.8, prof_tokens: int = 12,
+        async_scheduling: str = "default", disable_by_batch_size: int | None = None,
+        budget_s: float | None = None, tag: str = "") -> dict:
+    t_run = time.perf_counter()
+    sys.path.insert(0, str(pj.REPO_ROOT / "tests" / "e2e" / "gpu"))
+    import gpu_e2e_helpers as h
+
+    os.environ["EAGLE3_GPU_PROFILE"] = "production"  # before configure_env(): bf16, MLA on
+    h.configure_env()
+    os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the step ranges step_breakdown splits at
+    work = Path(tempfile.mkdtemp(prefix=f"fulldepth-{model}-"))
+    drafters = configs(model, engines, layers, work)
+    path = out / f"fulldepth_{model}{tag}.json"
+    res = {"what": __doc__.split("\n", 1)[0], "model": model, "layers": layers, "tp_share": pj.TP, "k": pj.K,
+           "target_config": pj.MODELS[model]["target"], "batches": list(batches), "repeats": repeats,
+           "gen_tokens": gen_tokens, "prompt_tokens": 16, "prof_tokens": prof_tokens,
+           "async_scheduling_arg": async_scheduling, "disable_by_batch_size": disable_by_batch_size,
+           "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "drafters": {ENGINE_KEYS[e]: pj.MODELS[model]["drafters"][e] for e in engines if e != "plain"},
+           "engines": {}}
+    from vllm import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+    capture = sorted(set(batches) | {(pj.K + 1) * b for b in batches})
+    extra = {} if async_scheduling == "default" else {"async_scheduling": async_scheduling == "on"}
+    longest = 0.0
+    for e in engines:
+        key = ENGINE_KEYS[e]
+        if budget_s is not None and time.perf_counter() - t_run + longest > budget_s:
+            res.setdefault("skipped_engines", []).append(key)
+            print("SKIP", key, f"(budget {budget_s:.0f} s)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        traces, seen = work / f"trace_{key}", set()
+        traces.mkdir()
+        kw = h.engine_kwargs(work / "target", drafters[e], load_format="dummy", max_num_seqs=max(batches),
+                             skip_tokenizer_init=True, gpu_memory_utilization=mem_util,
+                             compilation_config={"cudagraph_capture_sizes": capture},
+                             profiler_config={"profiler": "torch", "torch_profiler_dir": str(traces),
+                                              "torch_profiler_with_stack": False}, **extra)
+        if drafters[e] is not None and disable_by_batch_size is not None:
+            kw["speculative_config"]["disable_by_batch_size"] = disable_by_batch_size
+        llm = LLM(**kw)
+        row = res["engines"].setdefault(key, {"start_s": time.perf_counter() - t0, "batches": {}})
+        try:
+            row["facts"] = {**h.engine_facts(llm), **_scheduler_facts(llm)}
+            target_backends = row["facts"].get("attention_backends", {}).get("target", [])
+            if not any("MLA" in b for b in target_backends):
+                raise RuntimeError(f"the target runs {target_backends}, not an MLA backend")
+            if pj.MODELS[model].get("moe_method") == "Marlin" and not pj._is_marlin(row["facts"].get("moe", {})):
+                raise RuntimeError(f"the INT4 experts run {row['facts'].get('moe')}, not Marlin MoE")
+            prompts = {b: [{"prompt_token_ids": [7 + i] * 16} for i in range(b)] for b in batches}
+            for b in batches:  # warm-up: first replays, allocator
+                llm.generate(prompts[b], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            for r in range(repeats):
+                for b in batches:
+                    before = h.spec_counters(llm)
+                    t1 = time.perf_counter()
+                    llm.generate(prompts[b], sp, use_tqdm=False)
+                    dt = time.perf_counter() - t1
+                    d = h.counters_delta(before, h.spec_counters(llm))
+                    steps = gen_tokens if drafters[e] is None else d["num_drafts"] / b
+                    rep = {"wall_s": dt, "steps": steps, "step_ms": 1000 * dt / steps,
+                           "num_drafts": d["num_drafts"], "mean_acceptance_length": d["mean_acceptance_length"]}
+                    row["batches"].setdefault(str(b), {"repeats": []})["repeats"].append(rep)
+                    json_write(path, res)
+            for b in batches:
+                llm.start_profile()
+                llm.generate(prompts[b], SamplingParams(max_tokens=prof_tokens, ignore_eos=True), use_tqdm=False)
+                llm.stop_profile()
+                steps = _profiled_steps(traces, seen)
+                row["batches"][str(b)]["profile"] = steps
+                json_write(path, res)
+        finally:
+            h.shutdown(llm)
+        row["engine_wall_s"] = time.perf_counter() - t0
+        longest = max(longest, row["engine_wall_s"])
+        res["summary"] = summarize(res)
+        json_write(path, res)
+        print("ENGINE", key, json.dumps({b: round(statistics.median(x["step_ms"] for x in v["repeats"]), 3)
+                                         for b, v in row["batches"].items()}), f"{row['engine_wall_s']:.0f} s",
+              flush=True)
+    res["summary"] = summarize(res)
+    json_write(path, res)
+    return res
+
+
+def json_write(path: Path, res: dict) -> None:
+    path.write_text(json.dumps(res, indent=1))
+
+
+def summarize(res: dict, acceptance=ACCEPTANCE_LENGTHS) -> dict:
+    """Per batch: each engine's median, lowest and highest wall step over the
+    repeats, its profiled GPU kernel time and idle time per step (median wall
+    minus median GPU time), and each drafter's speed-up at each acceptance
+    length: AL x median plain / median EAGLE-3, with its spread
+    [AL x lowest plain / highest EAGLE-3, AL x highest plain / lowest EAGLE-3]."""
+    out: dict = {}
+    engines = res.get("engines", {})
+    for key, row in engines.items():
+        for b, cell in row.get("batches", {}).items():
+            walls = [r["step_ms"] for r in cell.get("repeats", [])]
+            if not walls:
+                continue
+            s = {"wall_ms": statistics.median(walls), "wall_min_ms": min(walls), "wall_max_ms": max(walls),
+                 "n": len(walls)}
+            prof = cell.get("profile", {}).get("median")
+            if prof and "gpu_kernel_ms" in prof:
+                s["gpu_ms"] = prof["gpu_kernel_ms"]
+                s["gpu_idle_ms"] = s["wall_ms"] - s["gpu_ms"]
+            out.setdefault(b, {})[key] = s
+    for b, cells in out.items():
+        plain = cells.get("plain")
+        if plain is None:
+            continue
+        for key, s in cells.items():
+            if key == "plain":
+                continue
+            s["speedup"] = {str(al): {"median": al * plain["wall_ms"] / s["wall_ms"],
+                                      "low": al * plain["wall_min_ms"] / s["wall_max_ms"],
+                                      "high": al * plain["wall_max_ms"] / s["wall_min_ms"]}
+                            for al in acceptance}
+    return out
+
+
+def main(argv=None) -> int:
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(prog="fulldepth.py", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="time the engines on a GPU")
+    r.add_argument("--model", choices=pj.MODELS, required=True)
+    r.add_argument("--engines", type=lambda t: [x for x in t.split(",") if x], default=["plain", "llama", "mla"],
+                   help="engines in order: plain and the model's drafters (llama, mla); default plain,llama,mla")
+    r.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=list(DEFAULT_BATCHES))
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--gen-tokens", type=int, default=128)
+    r.add_argument("--layers", type=int, default=pj.FULL_LAYERS)
+    r.add_argument("--mem-util", type=float, default=0.8)
+    r.add_argument("--prof-tokens", type=int, default=12)
+    r.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default")
+    r.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative_config.disable_by_batch_size for the EAGLE-3 engines")
+    r.add_argument("--budget-s", type=float, default=None,
+                   help="start no engine that the longest so far would carry past this many seconds")
+    r.add_argument("--tag", default="", help="appended to the result file's name")
+    r.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("summarize", help="speed-ups from result files (merged by engine)")
+    s.add_argument("results", type=Path, nargs="+")
+    s.add_argument("--out", type=Path, default=None,
+                   help="also write the summary, with its sources and this command, to this JSON file")
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        args.out.mkdir(parents=True, exist_ok=True)
+        res = run(args.model, args.engines, args.out, batches=args.batches, repeats=args.repeats,
+                  gen_tokens=args.gen_tokens, layers=args.layers, mem_util=args.mem_util,
+                  prof_tokens=args.prof_tokens, async_scheduling=args.async_scheduling,
+                  disable_by_batch_size=args.disable_by_batch_size, budget_s=args.budget_s, tag=args.tag)
+    else:
+        res = {"engines": {}}
+        for p in args.results:
+            res["engines"].update(json.loads(p.read_text()).get("engines", {}))
+        if args.out is not None:
+            first = json.loads(args.results[0].read_text())
+            json_write(args.out, {
+                "what": "fulldepth.py summarize: speed-up at each acceptance length from measured wall steps",
+                "command": " ".join(["fulldepth.py", *(argv if argv is not None else sys.argv[1:])]),
+                "sources": {p.name: json.loads(p.read_text()).get("command") for p in args.results},
+                "model": first.get("model"), "layers": first.get("layers"), "k": first.get("k"),
+                "repeats": first.get("repeats"), "gen_tokens": first.get("gen_tokens"),
+                "facts": {k: {f: v.get("facts", {}).get(f) for f in ("async_scheduling", "cudagraph_mode",
+                                                                     "attention_backends")}
+                          for k, v in res["engines"].items()},
+                "summary": summarize(res)})
+    print(json.dumps(summarize(res), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

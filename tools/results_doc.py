@@ -1,0 +1,504 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Render docs/results.md, and README's table of results, from the results JSON.
+
+    python -m tools.results_doc           # rewrite docs/results.md and README's table
+    python -m tools.results_doc --check   # exit 1 if either is not what this renders now
+
+Every figure in docs/results.md and in README.md's results table (between its
+<!-- results:begin --> and <!-- results:end --> lines) is read from a file in
+tools/gpu_harness/results/, never typed: CLAIMS below names, for each claim,
+its file, what it ran on, the user's command and how to read its figures.
+The device command and the date are the file's own (``device_command`` or
+``command``; ``date`` or the file name's date). tests/tools/test_results_doc.py
+fails when a committed document differs from what this renders.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools._common import REPO_ROOT, StackError, parser, run_main
+
+TOOL = "results_doc"
+RESULTS = REPO_ROOT / "tools" / "gpu_harness" / "results"
+DOC = REPO_ROOT / "docs" / "results.md"
+README = REPO_ROOT / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+BATCHES = (1, 8, 32)
+
+Figures = Callable[[dict], list[tuple[str, str]]]
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    title: str
+    file: str
+    ran_on: str  # what the run used: series, kernels, settings (words, not figures)
+    command: str  # the command a user runs for it (the device command is the file's)
+    figures: Figures
+    readme: Callable[[dict], str] | None = None  # the figure cell of README's table
+
+
+def f2(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def slash(values) -> str:
+    return " / ".join(values)
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def mal(run: dict, batches=BATCHES) -> str:
+    """Mean acceptance lengths of a bench run at ``batches``."""
+    return slash(f2(run[f"batch{b}"]["mean_acceptance_length"]) for b in batches)
+
+
+def agree(a: dict) -> str:
+    return f"{a['equal_prompts']} of {a['prompts']} prompts"
+
+
+# --- the claims, one per results file ------------------------------------
+
+
+def _acceptance(d: dict) -> list[tuple[str, str]]:
+    b = d["bench"]
+    trained8 = b["eagle3_trained"]["batch8"]["mean_acceptance_length"]
+    early8 = b["eagle3_early_aux_ids"]["batch8"]["mean_acceptance_length"]
+    return [
+        ("outcome", d["outcome"]),
+        ("mean acceptance length, trained drafter, batch 1 / 8 / 32", mal(b["eagle3_trained"])),
+        ("the same weights eager, batch 1 / 8", mal(b["eagle3_trained_eager"], (1, 8))),
+        ("greedy output equal to plain decoding", agree(b["eagle3_trained"]["agreement_with_plain"])),
+        ("control: the drafter fed layers (0, 1, 2), batch 8",
+         f"{f2(early8)} (a drop of {f2(trained8 - early8)})"),
+        ("recorded: ids shifted by one (0, 2, 5), batch 8",
+         f2(b["eagle3_shifted_aux_ids"]["batch8"]["mean_acceptance_length"])),
+        ("drafter training: predicted acceptance length", f2(b["training"]["predicted_acceptance_length"])),
+    ]
+
+
+def _acceptance_readme(d: dict) -> str:
+    b = d["bench"]
+    return (f"trained drafter {mal(b['eagle3_trained'])} at batch 1 / 8 / 32; fed layers (0, 1, 2) "
+            f"instead: {f2(b['eagle3_early_aux_ids']['batch8']['mean_acceptance_length'])}; greedy output "
+            f"equal on {agree(b['eagle3_trained']['agreement_with_plain'])}")
+
+
+def _dsa(d: dict) -> list[tuple[str, str]]:
+    rows = []
+    for kind, name in (("glm5", "GLM-5"), ("deepseek-v32", "DeepSeek-V3.2")):
+        a, r = d[kind]["acceptance_bench"], d[kind]["aux_states_reference"]["reference"]
+        rows += [
+            (f"{name}: mean acceptance length, trained drafter, batch 1 / 8 / 32", mal(a["eagle3_trained"])),
+            (f"{name}: random drafter", mal(a["eagle3_random"])),
+            (f"{name}: greedy output equal to plain (trained drafter)",
+             agree(a["eagle3_trained"]["agreement_with_plain"])),
+            (f"{name}: aux ids 1 / 3 / 6, nearest float64 layer",
+             slash(str(p["nearest_reference_layer"]) for p in r["per_id"])),
+            (f"{name}: aux error / layer gap (an independent bf16/fp8 forward's)",
+             slash(f"{f2(p['ratio'])} ({f2(p['served_reference_ratio'])})" for p in r["per_id"])),
+        ]
+    return rows
+
+
+def _dsa_readme(d: dict) -> str:
+    g, v = (d[k]["acceptance_bench"]["eagle3_trained"] for k in ("glm5", "deepseek-v32"))
+    worst = max(p["ratio"] / p["served_reference_ratio"] for k in ("glm5", "deepseek-v32")
+                for p in d[k]["aux_states_reference"]["reference"]["per_id"])
+    return (f"trained drafter {mal(g)} (GLM-5) and {mal(v)} (V3.2); aux states nearest their own layer, "
+            f"error at most {worst:.2f}x an independent bf16/fp8 forward's")
+
+
+def _int4_acceptance(d: dict) -> list[tuple[str, str]]:
+    b = d["bench"]
+    return [
+        ("outcome", d["outcome"]),
+        ("MoE method in every engine", slash(sorted({m for r in ("plain", "eagle3_random", "eagle3_trained")
+                                                      for m in b[r]["engine"]["moe_quant_methods"]}))),
+        ("mean acceptance length, trained drafter, batch 1 / 8 / 32", mal(b["eagle3_trained"])),
+        ("random drafter", mal(b["eagle3_random"])),
+        ("the same weights eager, batch 1 / 8", mal(b["eagle3_trained_eager"], (1, 8))),
+        ("greedy output equal to plain", agree(b["eagle3_trained"]["agreement_with_plain"])),
+    ]
+
+
+def _int4_aux(d: dict) -> list[tuple[str, str]]:
+    per = d["reference"]["per_id"]
+    return [
+        ("outcome", d["outcome"]),
+        ("target training", f"{d['target_training']['steps']} steps, rule accuracy "
+                            f"{f2(d['target_training']['final_rule_accuracy'])}"),
+        ("aux ids 1 / 3 / 6, nearest float64 layer", slash(str(p["nearest_reference_layer"]) for p in per)),
+        ("rms error / layer gap (bound)",
+         f"{slash(pct(p['ratio']) for p in per)} ({pct(d['reference']['bound'])})"),
+        ("speculators' generator (ids 0 / 2 / 5) against the engine",
+         slash(pct(p["speculators_vs_engine_ratio"]) for p in per)),
+    ]
+
+
+def _int4_readme(d: dict) -> str:
+    per = d["reference"]["per_id"]
+    return (f"aux states nearest their own layer, rms error {slash(pct(p['ratio']) for p in per)} of the "
+            f"layer gap (bound {pct(d['reference']['bound'])}); speculators' generator within "
+            f"{pct(max(p['speculators_vs_engine_ratio'] for p in per))} of the engine")
+
+
+def _int4_acc_readme(d: dict) -> str:
+    b = d["bench"]
+    return (f"Marlin MoE; trained drafter {mal(b['eagle3_trained'])}, random "
+            f"{mal(b['eagle3_random'])}; greedy output equal on {agree(b['eagle3_trained']['agreement_with_plain'])}")
+
+
+def _smoke(d: dict) -> list[tuple[str, str]]:
+    passed = [ln.split("::", 1)[1] for ln in d["pytest_summary"] if ln.startswith("PASSED")]
+    return [("passed", ", ".join(f"`{t}`" for t in passed)),
+            *((f"{k}: greedy output equal to plain", "yes" if r["equal"] else "no")
+              for k, r in d["results"].items())]
+
+
+def _reason(row: dict) -> str:
+    """The reason vLLM gave for refusing a backend (its engine log's "Reason: [...]")."""
+    cause = row.get("root_cause_from_engine_log") or ""
+    return cause.split("Reason: ", 1)[1].split("]", 1)[0].strip("['\"") if "Reason: " in cause else ""
+
+
+def _backends(d: dict) -> list[tuple[str, str]]:
+    return [(f"{r['backend']} forced, {r['drafter'] or 'plain'}",
+             r["outcome"] + (f": {_reason(r)}" if _reason(r) else "")) for r in d["rows"]]
+
+
+def _backends_readme(d: dict) -> str:
+    served = sorted({r["backend"] for r in d["rows"] if r["outcome"] == "served"})
+    ok = all(r["outcome"] == "served" for r in d["rows"])
+    return (f"{' and '.join(served)} forced on the target: "
+            f"{'the Llama and the MLA drafter both served' if ok else 'not all served'}")
+
+
+def _refused(d: dict) -> list[tuple[str, str]]:
+    return [row for r, row in zip(d["rows"], _backends(d)) if r["backend"] not in ("FLASH_ATTN_MLA", "TRITON_MLA")]
+
+
+def _server(d: dict) -> list[tuple[str, str]]:
+    return [("answered", f"{sum(1 for t in d['completion_tokens'] if t)} of {d['concurrent_requests']} "
+                         f"concurrent requests"),
+            ("ready after", f"{d['ready_s']:.0f} s"),
+            ("mean acceptance length (/metrics)", f2(d["mean_acceptance_length"])),
+            ("note", d.get("note", ""))]
+
+
+def _server_trained(d: dict) -> list[tuple[str, str]]:
+    m = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in d["metrics"] if "{" in ln}
+    return [("answered", f"{len(d['completion_tokens'])} of {d['concurrent_requests']} concurrent requests"),
+            ("draft tokens accepted (/metrics)", f"{m['vllm:spec_decode_num_accepted_tokens_total']:.0f} of "
+                                                 f"{m['vllm:spec_decode_num_draft_tokens_total']:.0f}"),
+            ("mean acceptance length", f2(d["mean_acceptance_length"]))]
+
+
+def _cache(d: dict) -> list[tuple[str, str]]:
+    return [("drafter (1, 3, 6), then (0, 2, 5): mean acceptance length",
+             slash(f2(d[k]["mean_acceptance_length"]) for k in ("first_trained_1_3_6", "second_shifted_0_2_5"))),
+            ("compile-cache directories", str(len({p.split("/")[1] for p in d["cache_dirs"]})))]
+
+
+def _kernels(d: dict) -> list[tuple[str, str]]:
+    t, dg = d["kernels_json"]["timings"], d["kernels_json"]["deep_gemm"]
+    return [("total (configure / compile / relink / import check)",
+             f"{t['total_s']} s ({t['configure_s']} / {t['compile_s']} / {t['relink_s']} / {t['import_check_s']} s)"),
+            ("DeepGEMM's setup.py build, beside ninja", f"{dg['build_s']} s ({dg['compiler']})"),
+            ("slowest object", "{} ({} s)".format(*max(t["slowest_objects_s"].items(), key=lambda kv: kv[1])))]
+
+
+def _kernels_readme(d: dict) -> str:
+    t = d["kernels_json"]["timings"]
+    return (f"{t['total_s']} s cold on 16 cores: `_C`, `_moe_C`, the FA3 subset, DeepGEMM "
+            f"({d['kernels_json']['deep_gemm']['build_s']} s beside ninja)")
+
+
+def _speed(d: dict) -> list[tuple[str, str]]:
+    def spread(x: dict, fmt=f2) -> str:
+        return f"{fmt(x['median'])} ({fmt(x['min'])}-{fmt(x['max'])})"
+
+    bs = d["batches"]
+    return [(f"batch {b}: speed-up, median (range) of {d['repeats']}", spread(bs[f"batch{b}"]["speedup"]))
+            for b in BATCHES] + [
+        ("mean acceptance length, batch 1 / 8 / 32",
+         slash(f2(bs[f"batch{b}"]["mean_acceptance_length"]["median"]) for b in BATCHES)),
+        ("efficiency (speed-up / acceptance length)",
+         slash(f2(bs[f"batch{b}"]["efficiency"]["median"]) for b in BATCHES))]
+
+
+def _speed_readme(d: dict) -> str:
+    bs = d["batches"]
+    return (f"speed-up {slash(f2(bs[f'batch{b}']['speedup']['median']) + 'x' for b in BATCHES)} at batch "
+            f"1 / 8 / 32 (medians of {d['repeats']}), acceptance "
+            f"{slash(f2(bs[f'batch{b}']['mean_acceptance_length']['median']) for b in BATCHES)}: the tiny "
+            f"target's step is CPU-bound")
+
+
+def _profile(d: dict) -> list[tuple[str, str]]:
+    return [(f"{n}: one decode step at batch {d['batch']}, GPU busy",
+             f"{f2(d[n]['steps']['median']['period_ms'])} ms, {pct(d[n]['steps']['median']['gpu_busy_fraction'])}")
+            for n in ("plain", "eagle3")]
+
+
+def _project(d: dict) -> list[tuple[str, str]]:
+    rows = []
+    for b in BATCHES:
+        p = d["projection_gpu_time"][f"batch{b}"]
+        ms = p["gpu_ms_at_projected_layers"]
+        sp = p.get("projected_speedup_by_drafter") or {"eagle3": p["projected_speedup"]}
+        for drafter, s in sp.items():
+            rows.append((f"batch {b}: 61-layer GPU ms per step, plain / {drafter}",
+                         f"{ms['plain']:.1f} / {ms[drafter]:.1f}"))
+            for mode in ("overlapped", "serial"):
+                rows.append((f"batch {b}: speed-up at acceptance length 2.5 / 3.0 / 3.5, CPU cost {mode}",
+                             slash(f"{s[mode][a]:.2f}x" for a in ("2.5", "3.0", "3.5"))))
+    res = max(f["max_relative_residual"] for b in BATCHES
+              for f in d["projection_gpu_time"][f"batch{b}"]["gpu_fits"].values())
+    rows.append(("largest residual of the per-layer GPU-time lines", pct(res)))
+    return rows
+
+
+def _project_readme(d: dict) -> str:
+    p = d["projection_gpu_time"]["batch1"]
+    s = p.get("projected_speedup_by_drafter") or {"eagle3": p["projected_speedup"]}
+    s = next(iter(s.values()))
+    return (f"at batch 1, acceptance length 3.0: {s['overlapped']['3.0']:.2f}x if the CPU cost hides behind "
+            f"the GPU, {s['serial']['3.0']:.2f}x if it adds (per-rank compute only: no all-reduce)")
+
+
+FULL_BATCHES = ("1", "8", "32", "64", "128")
+FULL_DRAFTERS = {"eagle3": "Llama drafter", "eagle3_mla": "MLA drafter"}
+
+
+def _fulldepth(d: dict) -> list[tuple[str, str]]:
+    s, rows = d["summary"], []
+    for b in FULL_BATCHES:
+        p = s[b]["plain"]
+        rows.append((f"batch {b}: plain wall ms per step, median (range) / GPU ms / GPU idle ms",
+                     f"{f2(p['wall_ms'])} ({f2(p['wall_min_ms'])}-{f2(p['wall_max_ms'])}) / "
+                     f"{f2(p['gpu_ms'])} / {f2(p['gpu_idle_ms'])}"))
+        for key, name in FULL_DRAFTERS.items():
+            e = s[b][key]
+            rows.append((f"batch {b}: {name}, EAGLE-3 wall ms per step (range) / GPU ms / GPU idle ms",
+                         f"{f2(e['wall_ms'])} ({f2(e['wall_min_ms'])}-{f2(e['wall_max_ms'])}) / "
+                         f"{f2(e['gpu_ms'])} / {f2(e['gpu_idle_ms'])}"))
+            rows.append((f"batch {b}: {name}, speed-up at acceptance length 2.5 / 3.0 / 3.5 (range)",
+                         slash(f"{f2(e['speedup'][a]['median'])}x ({f2(e['speedup'][a]['low'])}-"
+                               f"{f2(e['speedup'][a]['high'])})" for a in ("2.5", "3.0", "3.5"))))
+    return rows
+
+
+def _fulldepth_readme(d: dict) -> str:
+    s = d["summary"]
+    return "; ".join(
+        f"{name} {slash(f2(s[b][key]['speedup']['3.0']['median']) + 'x' for b in ('1', '8', '32'))}"
+        for key, name in FULL_DRAFTERS.items()) + (
+        " at batch 1 / 8 / 32, acceptance length 3.0, from measured 61-layer steps (ranges in docs/results.md)")
+
+
+def _replay(d: dict) -> list[tuple[str, str]]:
+    return [(f"aux ids {k}", v) for k, v in d["results"].items()]
+
+
+def _offline(d: dict) -> list[tuple[str, str]]:
+    return [(r["name"], ("served" if r["ok"] else "failed") + f", {r['compilation']['cudagraph_mode']}")
+            for r in d["runs"]]
+
+
+STAND_INS = ("the 14-patch series; torch stand-ins for vLLM's compiled ops (since retired: vLLM's "
+             "own kernels are built now)")
+BUILT = "vLLM's own kernels built from the pinned sources (`kernels.py`), no torch stand-in"
+CLAIMS = [
+    Claim("acceptance", "EAGLE-3 acceptance in production settings (DeepSeek-V3-shaped target)",
+          "2026-12-02_h200_acceptance_pytest_built_kernels_early_control.json",
+          f"{BUILT}; bf16, torch.compile, FULL_AND_PIECEWISE CUDA graphs; FLASH_ATTN_MLA target, FLASH_ATTN drafter",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_acceptance.py", _acceptance, _acceptance_readme),
+    Claim("dsa", "GLM-5 and DeepSeek-V3.2 (DeepSeek Sparse Attention)",
+          "2026-12-02_h200_dsa_built_deep_gemm.json",
+          f"{BUILT}, DeepGEMM built from its pin; torch stand-ins for FlashMLA's two sparse kernels only; bf16, eager",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_dsa.py", _dsa, _dsa_readme),
+    Claim("int4-acceptance", "Kimi-K2.5 INT4 (routed experts W4A16, the published quantization_config)",
+          "2026-12-02_h200_bench_kimi_k25_int4_built_kernels.json", f"{BUILT}; production settings",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_int4.py -k acceptance", _int4_acceptance, _int4_acc_readme),
+    Claim("int4-aux", "Kimi-K2.5 INT4 aux states against a float64 forward, and speculators' generator",
+          "2026-12-02_h200_int4_kimi_k25_aux_trained_target.json", f"{BUILT}; production settings",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_int4.py -k aux", _int4_aux, _int4_readme),
+    Claim("smoke", "Smoke tests: greedy output equal with each drafter layout",
+          "2026-12-02_h200_smoke_built_kernels.json", f"{BUILT}; float32, eager",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_e2e.py tests/e2e/gpu/test_eagle3_mla_drafter_e2e.py", _smoke),
+    Claim("backends", "A forced MLA backend on the target, plain and with each drafter",
+          "2026-12-02_h200_backends_matrix_drafter_backend_patch.json", f"{BUILT}; production settings",
+          "python tools/gpu_harness/prod_check.py backends --out DIR", _backends, _backends_readme),
+    Claim("backends-refused", "MLA backends this build cannot run: refused at start",
+          "2026-12-02_h200_backends_matrix_built_kernels.json", f"{BUILT}; the 23-patch series",
+          "python tools/gpu_harness/prod_check.py backends --out DIR", _refused),
+    Claim("offline-kimi", "Kimi-K2.5 offline with the Llama and the MLA drafter (random weights)",
+          "2026-12-02_h200_prod_offline_kimi_k25_built_kernels.json", f"{BUILT}; production settings",
+          "python tools/gpu_harness/prod_check.py offline --only kimi_k25 --out DIR", _offline),
+    Claim("server-deepseek", "OpenAI server: DeepSeek-V3 + Llama drafter (random weights)",
+          "2026-12-02_h200_server_deepseek_v3_built_kernels.json", BUILT,
+          "python tools/gpu_harness/prod_check.py server --out DIR", _server),
+    Claim("server-kimi-llama", "OpenAI server: Kimi-K2.5 + Llama drafter (random weights)",
+          "2026-12-02_h200_server_kimi_k25_llama_drafter_built_kernels.json", BUILT,
+          "python tools/gpu_harness/prod_check.py server --kimi llama --out DIR", _server),
+    Claim("server-kimi-mla", "OpenAI server: Kimi-K2.5 + MLA drafter (random weights)",
+          "2026-12-02_h200_server_kimi_k25_mla_drafter_built_kernels.json", BUILT,
+          "python tools/gpu_harness/prod_check.py server --kimi --out DIR", _server),
+    Claim("server-trained", "OpenAI server: the trained pair, acceptance from /metrics",
+          "2026-12-01_h200_server_eagle3_trained.json", STAND_INS,
+          "python tools/gpu_harness/prod_check.py server --target T --drafter D --out DIR", _server_trained),
+    Claim("cache", "Two drafters, one compile cache: with the series",
+          "2026-12-01_h200_cache_patched.json", STAND_INS,
+          "python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR", _cache),
+    Claim("cache-nopatch", "Two drafters, one compile cache: without the compile-cache patch",
+          "2026-12-01_h200_cache_without_compile_cache_patch.json", STAND_INS,
+          "python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR --tag without-compile-cache-patch",
+          _cache),
+    Claim("kernels", "vLLM's own kernels and DeepGEMM built cold on the H200 (16 cores)",
+          "2026-12-02_h200_kernels_build_call50.json", "the pinned sdist's CMake, sm_90a, the subset in `SUBSET`",
+          "python3 tools/gpu_harness/kernels.py build --out DIR -j 16", _kernels, _kernels_readme),
+    Claim("fulldepth", "Kimi-K2.5 INT4, one TP-8 rank's share of all 61 layers: EAGLE-3 speed-up",
+          "2026-12-03_h200_fulldepth_kimi_k25_int4_summary.json",
+          f"{BUILT}; Marlin MoE; random weights (acceptance 1.0 measured, so the speed-up is AL x plain wall / "
+          "EAGLE-3 wall); k = 3, 16-token prompts, 64 tokens, 3 interleaved repeats; async scheduling on, "
+          "FULL_AND_PIECEWISE graphs, FLASH_ATTN_MLA target; leaves out the all-reduce between ranks, expert "
+          "parallelism and long contexts",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --out DIR", _fulldepth,
+          _fulldepth_readme),
+    Claim("speed", "EAGLE-3 speed-up on the tiny pair, k = 3, 128 tokens, prefill timed apart",
+          "2026-12-02_h200_speed_built_kernels.json", f"{BUILT}; production settings",
+          "python tools/gpu_harness/speed.py --artifacts A --out DIR", _speed, _speed_readme),
+    Claim("profile", "One decode step of the tiny pair at batch 1",
+          "2026-12-02_h200_profile_built_kernels.json", f"{BUILT}; production settings",
+          "python tools/gpu_harness/step_profile.py --artifacts A --out DIR", _profile),
+    Claim("project-deepseek", "DeepSeek-V3 at TP = 8: one rank's share, projected to 61 layers (Llama drafter)",
+          "2026-12-02_h200_project_deepseek_v3_tp8_rank_gpu_time.json",
+          f"{BUILT}; random weights, 4 / 6 / 8 layers; per-rank compute only (no all-reduce, no expert "
+          "parallelism, no fp8 weights)",
+          "python tools/gpu_harness/project.py run --model deepseek-v3 --out DIR", _project, _project_readme),
+    Claim("project-deepseek-mla", "DeepSeek-V3 at TP = 8, SpecForge's MLA drafter",
+          "2026-12-02_h200_project_deepseek_v3_tp8_rank_mla_drafter.json", f"{BUILT}; as above",
+          "python tools/gpu_harness/project.py run --model deepseek-v3 --drafters mla --out DIR", _project),
+    Claim("project-kimi", "Kimi-K2.5 INT4 at TP = 8: one rank's share, projected to 61 layers (Llama drafter)",
+          "2026-12-02_h200_project_kimi_k25_int4_tp8_rank_gpu_time.json",
+          f"{BUILT}; Marlin MoE; random weights, 2 / 4 / 6 layers; per-rank compute only",
+          "python tools/gpu_harness/project.py run --model kimi-k25-int4 --drafters llama --out DIR", _project),
+    Claim("project-kimi-mla", "Kimi-K2.5 INT4 at TP = 8, TorchSpec's MLA drafter",
+          "2026-12-02_h200_project_kimi_k25_int4_tp8_rank_mla_drafter.json", f"{BUILT}; as above",
+          "python tools/gpu_harness/project.py run --model kimi-k25-int4 --drafters mla --out DIR", _project),
+    Claim("cpu-replay", "The acceptance test's controls replayed on CPU (vLLM's drafter class, float32)",
+          "2026-12-02_cpu_replay_acceptance_controls.json", "the cpu venv of ./test.sh; 8 prompts, 64 tokens",
+          "python ctl.py (the script the file records)", _replay),
+]
+
+
+def load(claim: Claim) -> dict:
+    path = RESULTS / claim.file
+    if not path.exists():
+        raise StackError(f"{claim.key}: {path.relative_to(REPO_ROOT)} does not exist; fix CLAIMS in "
+                         f"tools/results_doc.py or restore the file")
+    return json.loads(path.read_text())
+
+
+# A device-call counter means nothing to a reader: a recorded "command" that
+# is a description naming one is passed over for the next.
+_COUNTER = re.compile(r"\b[Cc]alls? [0-9]+|\b[Ii]ssue [0-9]+")
+
+
+def device_command(d: dict) -> str:
+    """The command the file records: its device command, else its command."""
+    for text in (d.get("device_command"), d.get("command"), (d.get("meta") or {}).get("device_command")):
+        if not text or _COUNTER.search(str(text)):
+            continue
+        if "\n" in str(text):
+            return "a script: the file's `command`"
+        return f"`{' '.join(str(text).split())}`"
+    return "not recorded in the file"
+
+
+def date_of(claim: Claim, d: dict) -> str:
+    return d.get("date") or claim.file[:10]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_doc() -> str:
+    out = ["# Results",
+           "",
+           "Rendered by `python -m tools.results_doc` from the JSON files in",
+           "[`tools/gpu_harness/results/`](../tools/gpu_harness/results/); do not edit by hand.",
+           "Each section gives what ran, the command a user runs for it, the command and",
+           "date the file records, and the figures read from it. The GPU runs are on one",
+           "H200 through the harness ([gpu.md](gpu.md)), on tiny checkpoints with the",
+           "published geometry; what that leaves out is in [gpu.md](gpu.md#not-verified).",
+           ""]
+    for c in CLAIMS:
+        d = load(c)
+        out += [f"## {c.title}",
+                "",
+                f"- file: [`{c.file}`](../tools/gpu_harness/results/{c.file}), {date_of(c, d)}",
+                f"- ran on: {c.ran_on}",
+                f"- command: `{c.command}`",
+                f"- recorded command: {device_command(d)}",
+                "",
+                "| figure | value |",
+                "| --- | --- |",
+                *(f"| {_cell(k)} | {_cell(v)} |" for k, v in c.figures(d)),
+                ""]
+    return "\n".join(out)
+
+
+def render_readme_table() -> str:
+    rows = ["| claim | result | command | file |", "| --- | --- | --- | --- |"]
+    for c in CLAIMS:
+        if c.readme is None:
+            continue
+        d = load(c)
+        rows.append(f"| {_cell(c.title)} | {_cell(c.readme(d))} | `{c.command}` | "
+                    f"[{c.file[:10]}](tools/gpu_harness/results/{c.file}) |")
+    return "\n".join(rows)
+
+
+def readme_with_table(readme: str) -> str:
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+        raise StackError(f"README.md must hold one {BEGIN} line and, after it, one {END} line")
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{render_readme_table()}\n{END}{tail}"
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def main() -> int:
+    ap = parser(TOOL, __doc__)
+    ap.add_argument("--check", action="store_true", help="exit 1 if a document differs from its rendering")
+    args = ap.parse_args()
+    want = {DOC: render_doc(), README: readme_with_table(README.read_text())}
+    stale = [p for p, text in want.items() if not p.exists() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"[{TOOL}] {_shown(p)} is not what the results render: "
+                  f"run `python -m tools.results_doc` and commit it", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(want[p])
+        print(f"[{TOOL}] wrote {_shown(p)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(TOOL, main)
