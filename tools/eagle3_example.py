@@ -17,8 +17,8 @@ then, with the vllm-eagle3 command of the same environment:
         --prompts DIR/prompts.txt --max-tokens 48 --write
 
 The states come from one run of vLLM's CPU engine (calibrate's capture); the
-drafter is trained with the GPU benchmark's pure-torch EAGLE-3 drafter
-(tools/gpu_harness/bench_eagle3.py: k = 3 unrolled, 150 steps), on CPU. The
+drafter is trained with the GPU harness's pure-torch EAGLE-3 drafter
+(tools/gpu_harness/training.py: k = 3 unrolled, 150 steps), on CPU. The
 drafter memorises the target's continuations of these prompts: enough to
 tell the right layers from their neighbours, not a drafter that generalises.
 """
@@ -70,8 +70,7 @@ def train(root: Path, target: Path, seqs: list[dict], steps: int) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    sys.path.insert(0, str(REPO_ROOT / "tools" / "gpu_harness"))
-    import bench_eagle3
+    from tools.gpu_harness import training
 
     d = tiny_checkpoints.write_checkpoint(
         "eagle3-drafter", root / "tiny-drafter", seed=3, aux_layer_ids=CONFIG_SAYS,
@@ -81,14 +80,14 @@ def train(root: Path, target: Path, seqs: list[dict], steps: int) -> Path:
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     weights = load_file(str(d / "model.safetensors"))
     embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
-    drafter = bench_eagle3.Drafter(cfg, weights, embed, "cpu")
+    drafter = training.Drafter(cfg, weights, embed, "cpu")
     n = min(len(s["tokens"]) for s in seqs) - 1
     toks = torch.stack([s["tokens"][:n] for s in seqs])
     aux = torch.stack([torch.cat([a[:n] for a in s["aux"]], -1).float() for s in seqs])
     mask = torch.zeros_like(toks)
     for row, s in enumerate(seqs):
         mask[row, s["prompt_len"]:] = 1
-    step = bench_eagle3._optimizer(drafter.params(), 3e-3, steps)
+    step = training.optimizer(drafter.params(), 3e-3, steps)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         idx = torch.randint(0, len(seqs), (16,), generator=gen)
