@@ -191,9 +191,10 @@ def test_speculators_drafter_config_is_read_by_vllm_and_converted(
     assert get_eagle3_aux_layer_ids(hf) == (tuple(shifted), top)
     # Still speculators' format: vLLM converted it the same way.
     assert list(hf.architectures) == list(hf_written.architectures)
-    # The converter kept everything but the ids.
+    # The converter kept everything but the ids, and recorded the conversion.
     conv = json.loads((spec_drafter["converted"] / "config.json").read_text())
     assert conv.pop(top) == shifted
+    assert conv.pop("vllm_eagle3_converted") == {"from": "output-of-layer", "trained_ids": L}
     written.pop(top)
     assert conv == written
 
