@@ -46,6 +46,21 @@ def pytest_configure(config: pytest.Config) -> None:
             "./test.sh (or the venv's pytest executable, not `python -m "
             "pytest`, from the repository root)."
         )
+    _inspect_models_with_the_installed_vllm()
+
+
+def _inspect_models_with_the_installed_vllm() -> None:
+    """vLLM inspects model classes in a child, ``python -m
+    vllm.model_executor.models.registry``, and ``-m`` puts the working
+    directory first on the child's path: from the repository root that is the
+    unpatched ``vllm/`` tree, and with an empty ``~/.cache/vllm/modelinfos``
+    every series-only class (the MLA drafter) fails to inspect. ``-P``
+    (Python >= 3.11) leaves the working directory out; vLLM keeps the command
+    in a module variable for changes like this one."""
+    from vllm.model_executor.models import registry
+
+    if "-P" not in registry._SUBPROCESS_COMMAND:
+        registry._SUBPROCESS_COMMAND.insert(1, "-P")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
