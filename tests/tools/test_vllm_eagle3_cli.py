@@ -79,10 +79,17 @@ def test_vllm_child_processes_never_import_the_clone(monkeypatch: pytest.MonkeyP
     model-inspection child imports the clone's vllm/ (the unpatched source),
     not the installed wheel. The tools set PYTHONSAFEPATH=1 for their
     children, which leaves the working directory off their path."""
+    import sys
+
     import vllm
+    from vllm.model_executor.models import registry
 
     installed = str(Path(vllm.__file__).resolve())
     monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    # vLLM's own command, without the -P that tests/conftest.py adds for the
+    # rest of the suite.
+    monkeypatch.setattr(registry, "_SUBPROCESS_COMMAND",
+                        [sys.executable, "-m", "vllm.model_executor.models.registry"])
     monkeypatch.chdir(REPO_ROOT)
     assert Path(_vllm_in_a_registry_child()).resolve() == REPO_ROOT / "vllm" / "__init__.py"
     with children_never_shadowed():
