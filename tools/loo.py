@@ -245,8 +245,11 @@ def main() -> int:
     if previous:
         for name in names:
             if name not in entries and name in previous["patches"]:
-                entries[name] = {"measured_by": previous["command"],
-                                 **previous["patches"][name]}
+                entry = previous["patches"][name]
+                entries[name] = {
+                    "method": entry.get("method") or ("left out with later patches"
+                                                      if entry["dropped"] else "left out"),
+                    "measured_by": previous["command"], **entry}
     patches = {name: entries[name] for name in names if name in entries}
     result = {
         "command": command,
