@@ -17,17 +17,22 @@ when every later patch still applies that way (method "left out"). When one
 does not (it edits lines P wrote, or its context), P is instead reverted on
 the fully patched files: each patch is a commit in a scratch git repository
 and ``git revert --no-commit`` takes back P's hunks, by three-way merge, with
-every later patch kept (method "reverted"). Only where that revert conflicts
-(a later patch rewrote P's own lines) are the later patches that no longer
-apply left out too (method "left out with later patches", naming them), and
-the count is not P's alone. --only measures the named patches and keeps the
+every later patch kept (method "reverted"). git counts an edit on a
+neighbouring line as a conflict; where P only added lines in a conflicting
+region and they still stand there verbatim, they are removed from the later
+state (also "reverted"). Only where that does not resolve it (a later patch
+rewrote P's lines, or P removed lines there) are the later patches that no
+longer apply left out too (method "left out with later patches", naming
+them), and the count is not P's alone. --only measures the named patches and keeps the
 other entries of --merge (a previous loo.json) as they were.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -104,9 +109,48 @@ def stack_reverting(source: Path, series: Path, left_out: str,
             target = _git(tree, "rev-parse", "HEAD").stdout.strip()
     if target is None:
         raise StackError(f"{left_out} is not in {series}")
-    clean = _git(tree, "revert", "--no-commit", target, check=False).returncode == 0
+    clean = _git(tree, "-c", "merge.conflictStyle=diff3", "revert", "--no-commit", target,
+                 check=False).returncode == 0
+    if not clean:
+        conflicted = _git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
+        clean = bool(conflicted) and all(_resolve_revert(tree / f) for f in conflicted)
     shutil.rmtree(tree / ".git")
     return paths, clean
+
+
+CONFLICT_RE = re.compile(r"^<<<<<<< [^\n]*\n(.*?)^\|\|\|\|\|\|\| [^\n]*\n(.*?)"
+                         r"^=======\n(.*?)^>>>>>>> [^\n]*\n", re.S | re.M)
+
+
+def _resolve_revert(path: Path) -> bool:
+    """Resolve a reverted patch's conflicts in ``path`` (diff3 markers) where
+    the patch only added lines there and a later patch edited next to them:
+    the patch's added lines are removed from the later state where they
+    still stand, verbatim and once. False (file left as is) otherwise."""
+    def resolve(m: re.Match) -> str:
+        ours, base, theirs = (g.splitlines(keepends=True) for g in m.groups())
+        ops = difflib.SequenceMatcher(None, base, theirs, autojunk=False).get_opcodes()
+        if any(op in ("insert", "replace") for op, *_ in ops):
+            raise ValueError("the patch changed or removed lines here")
+        for op, i1, i2, _, _ in ops:
+            if op == "delete":
+                block = base[i1:i2]
+                hits = [k for k in range(len(ours) - len(block) + 1)
+                        if ours[k:k + len(block)] == block]
+                if len(hits) != 1:
+                    raise ValueError("the patch's lines were rewritten later")
+                del ours[hits[0]:hits[0] + len(block)]
+        return "".join(ours)
+
+    text = path.read_text()
+    try:
+        resolved = CONFLICT_RE.sub(resolve, text)
+    except ValueError:
+        return False
+    if "<<<<<<< " in resolved:
+        return False
+    path.write_text(resolved)
+    return True
 
 
 def overlay(site: Path, tree: Path, paths: list[str], dest: Path) -> None:

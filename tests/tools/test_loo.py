@@ -162,7 +162,38 @@ REVERTIBLE = {
  x6 = 6
 """,
 }
+# Add-f adds `f` on the line right after Add-e's `e`: git's three-way revert
+# of Add-e conflicts (neighbouring edits), and removing Add-e's line where it
+# stands resolves it.
+THIRD = "".join(f"y{i} = {i}\n" for i in range(1, 5))
+REVERTIBLE.update({
+    "Add-e.patch": """--- a/pkg/third.py
++++ b/pkg/third.py
+@@ -1,3 +1,4 @@
+ y1 = 1
++e = 1
+ y2 = 2
+ y3 = 3
+""",
+    "Add-f.patch": """--- a/pkg/third.py
++++ b/pkg/third.py
+@@ -1,4 +1,5 @@
+ y1 = 1
+ e = 1
++f = 1
+ y2 = 2
+ y3 = 3
+""",
+})
 REVERTIBLE_TESTS = """
+def test_e():
+    from pkg.third import e
+    assert e == 1
+
+def test_f():
+    from pkg.third import f
+    assert f == 1
+
 def test_c():
     from pkg.other import c
     assert c == 1
@@ -180,12 +211,14 @@ def test_a_patch_later_ones_build_on_is_reverted_alone(tmp_path: Path):
     the line Add-a added), the later patch is left out as well, and named."""
     PATCHES.update(REVERTIBLE)
     try:
-        args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-c.patch", "Add-d.patch"])
+        args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-c.patch", "Add-d.patch",
+                                "Add-e.patch", "Add-f.patch"])
     finally:
         for name in REVERTIBLE:
             PATCHES.pop(name)
     for root in ("source", "site"):
         (tmp_path / root / "pkg" / "other.py").write_text(OTHER)
+        (tmp_path / root / "pkg" / "third.py").write_text(THIRD)
     (tmp_path / "tests" / "test_other.py").write_text(REVERTIBLE_TESTS)
     (tmp_path / "tests" / "test_new.py").unlink()
     proc = run_tool("loo", *args)
@@ -197,6 +230,9 @@ def test_a_patch_later_ones_build_on_is_reverted_alone(tmp_path: Path):
     assert entries["Add-c.patch"]["method"] == "reverted"
     assert entries["Add-c.patch"]["dropped"] == []
     assert needs["Add-d.patch"] == ["test_d"]
+    assert needs["Add-e.patch"] == ["test_e"]
+    assert entries["Add-e.patch"]["method"] == "reverted"
+    assert needs["Add-f.patch"] == ["test_f"]
     assert entries["Add-d.patch"]["method"] == "left out"
     assert entries["Add-a.patch"]["method"] == "left out with later patches"
     assert entries["Add-a.patch"]["dropped"] == ["Bump-a.patch"]
