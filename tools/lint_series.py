@@ -2,6 +2,8 @@
 every patch is a git mail fit to send upstream.
 
     python -m tools.lint_series [--patches DIR]
+    python -m tools.lint_series --upstream-ruff [--offline]
+
 
 A patch must carry the ``From <zero hash>`` mbox line and From/Date/Subject
 headers of ``git format-patch``, a subject in vLLM's style (``[Tag] Text``, at
@@ -9,6 +11,14 @@ most 72 characters), a body saying why, a DCO ``Signed-off-by`` of its author
 and exactly one ``Upstream-Status`` trailer in Yocto's vocabulary, with a
 checkable reference (a vLLM PR or commit URL) where one is due: see
 CONTRIBUTING.md, "Ground rules".
+
+``--upstream-ruff`` also runs upstream's own lint over the files the series
+touches: the ruff version the sdist's ``.pre-commit-config.yaml`` pins, with
+the sdist's ``pyproject.toml``, on the stock tree and on the patched one. It
+reports only what the series adds (a ruff-check finding the stock file lacks,
+a file stock ruff-format leaves alone and the patched one does not), so a mail
+upstream's pre-commit would reject fails here. That ruff is installed once
+into the download cache with pip.
 """
 
 from __future__ import annotations
@@ -16,11 +26,17 @@ from __future__ import annotations
 import email
 import email.policy
 import email.utils
+import json
 import re
+import subprocess
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 
-from tools._common import PATCHES_DIR, StackError, parser, read_series, run_main, say
+from tools._common import (
+    PATCHES_DIR, StackError, cache_dir, parser, read_series, run_main, say,
+)
 
 TOOL = "lint"
 ZERO_FROM = "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
@@ -144,11 +160,103 @@ def lint(patches: Path) -> list[str]:
     return problems
 
 
+RUFF_REV_RE = re.compile(r"repo: https://github\.com/astral-sh/ruff-pre-commit\s*\n"
+                         r"\s*rev: v?(?P<version>[0-9][0-9.]*)\s*\n")
+
+
+def ruff_pin(pre_commit_config: Path) -> str:
+    """The ruff version upstream's pre-commit runs (ruff-pre-commit's rev)."""
+    m = RUFF_REV_RE.search(pre_commit_config.read_text())
+    if not m:
+        raise StackError(f"{pre_commit_config} names no astral-sh/ruff-pre-commit rev")
+    return m.group("version")
+
+
+def ensure_ruff(version: str, *, offline: bool) -> Path:
+    """The ``ruff`` executable of ``version``, installed with pip into the
+    download cache the first time it is needed."""
+    target = cache_dir() / f"ruff-{version}"
+    exe = target / "bin" / "ruff"
+    if not exe.is_file():
+        if offline:
+            raise StackError(f"ruff {version} (upstream's pre-commit pin) is not in "
+                             f"{target}; run once without --offline to install it")
+        say(TOOL, f"installing ruff=={version} (upstream's pre-commit pin) into {target}")
+        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check",
+                        "install", "-q", "--target", str(target), f"ruff=={version}"],
+                       check=True)
+    got = subprocess.run([str(exe), "--version"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    if got[-1:] != [version]:
+        raise StackError(f"{exe} is ruff {got[-1:]}, not upstream's {version}; "
+                         f"remove {target} and rerun")
+    return exe
+
+
+def _ruff_check(ruff: Path, tree: Path, files: list[str]) -> list[dict]:
+    proc = subprocess.run([str(ruff), "check", "--no-cache", "--no-fix",
+                           "--output-format", "json", "--exit-zero", *files],
+                          cwd=tree, capture_output=True, text=True)
+    if proc.returncode:
+        raise StackError(f"ruff check failed in {tree}: {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
+
+
+def _ruff_format_diff(ruff: Path, tree: Path, file: str) -> str:
+    proc = subprocess.run([str(ruff), "format", "--no-cache", "--diff", file],
+                          cwd=tree, capture_output=True, text=True)
+    if proc.returncode not in (0, 1):
+        raise StackError(f"ruff format failed on {file}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def upstream_ruff(patches: Path, *, offline: bool) -> list[str]:
+    """What upstream's pinned ruff, with upstream's configuration, finds in
+    the files the series touches that it does not find in stock v0.16.0."""
+    from tools.apply import apply_series
+    from tools.source import unpack_sdist
+
+    with tempfile.TemporaryDirectory(prefix="lint-ruff-") as tmp:
+        stock, patched = Path(tmp) / "stock", Path(tmp) / "patched"
+        unpack_sdist(stock, offline=offline)
+        unpack_sdist(patched, offline=offline)
+        files = [p for p in apply_series(patched, patches / "series") if p.endswith(".py")]
+        ruff = ensure_ruff(ruff_pin(stock / ".pre-commit-config.yaml"), offline=offline)
+        old = [f for f in files if (stock / f).is_file()]
+
+        def key(d: dict, root: Path) -> tuple[str, str, str]:
+            return (str(Path(d["filename"]).relative_to(root)), d["code"] or "", d["message"])
+
+        base = Counter(key(d, stock) for d in _ruff_check(ruff, stock, old)) if old else Counter()
+        problems: list[str] = []
+        for d in _ruff_check(ruff, patched, files):
+            k = key(d, patched)
+            if base[k]:
+                base[k] -= 1
+                continue
+            row = d["location"]["row"]
+            problems.append(f"ruff {d['code']} at {k[0]}:{row}: {d['message']} "
+                            "(upstream's pre-commit runs `ruff check`)")
+        for f in files:
+            diff = _ruff_format_diff(ruff, patched, f)
+            if diff and not (f in old and _ruff_format_diff(ruff, stock, f)):
+                problems.append(f"ruff format would change {f} (upstream's pre-commit runs "
+                                f"`ruff format`):\n{diff.rstrip()}")
+        say(TOOL, f"ruff {ruff_pin(stock / '.pre-commit-config.yaml')} with upstream's "
+            f"pyproject.toml over the {len(files)} Python file(s) the series touches")
+        return problems
+
+
 def main() -> int:
-    ap = parser("lint_series", __doc__)
+    ap = parser("lint_series", __doc__, offline=True)
     ap.add_argument("--patches", type=Path, default=PATCHES_DIR)
+    ap.add_argument("--upstream-ruff", action="store_true",
+                    help="also run upstream's pinned ruff over the patched files and "
+                         "report what the series adds")
     args = ap.parse_args()
     problems = lint(args.patches)
+    if args.upstream_ruff and not problems:
+        problems = upstream_ruff(args.patches, offline=args.offline)
     for p in problems:
         print(f"[{TOOL}] {p}", file=sys.stderr)
     n = len(read_series(args.patches / "series")) if (args.patches / "series").exists() else 0
@@ -156,7 +264,8 @@ def main() -> int:
         say(TOOL, f"{len(problems)} problem(s) in {n} patch(es)")
         return 1
     say(TOOL, f"{n} patch(es) in {args.patches}: all listed, all git mails with a vLLM-style "
-        "subject, DCO sign-off and Upstream-Status")
+        "subject, DCO sign-off and Upstream-Status"
+        + ("; upstream's ruff finds nothing the series adds" if args.upstream_ruff else ""))
     return 0
 
 

@@ -425,18 +425,23 @@ def test_fc_width_follows_the_aux_layer_ids(cpu_env, model_dirs, aux, nested):
         model.load_weights(iter(checkpoint().items()))
 
 
+# The Llama-architecture EAGLE-3 drafter (llama_eagle3.py) on the same target.
+LLAMA_DRAFT = dict(
+    architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+    intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=HEADS,
+    num_key_value_heads=HEADS, vocab_size=VOCAB, hidden_size=HIDDEN,
+    draft_vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    torch_dtype="float32",
+    # The 6-layer target's default (2, 3, 3) repeats an id: refused.
+    eagle_aux_hidden_state_layer_ids=[1, 3, 5],
+)
+
+
 def test_llama_drafter_loads_and_applies_eagle31_fc_norm(cpu_env, model_dirs):
     """EAGLE-3.1's fc_norm on the Llama drafter: fc_norm.<i>.weight load, and
     combine_hidden_states normalises each captured state before fc."""
     draft = model_dirs.write(
-        "draft_llama_eagle31",
-        architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-        intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=HEADS,
-        num_key_value_heads=HEADS, vocab_size=VOCAB, hidden_size=HIDDEN,
-        draft_vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        torch_dtype="float32", fc_norm=True, norm_output=True,
-        # The 6-layer target's default (2, 3, 3) repeats an id: refused.
-        eagle_aux_hidden_state_layer_ids=[1, 3, 5],
+        "draft_llama_eagle31", **LLAMA_DRAFT, fc_norm=True, norm_output=True
     )
     model = build_drafter(cpu_env, model_dirs, draft=draft)
     assert model.model.norm_output is True
@@ -463,6 +468,54 @@ def test_llama_drafter_loads_and_applies_eagle31_fc_norm(cpu_env, model_dirs):
     torch.testing.assert_close(
         model.combine_hidden_states(aux), normed @ ckpt["fc.weight"].T
     )
+
+
+def test_llama_drafter_feeds_back_the_normed_state_with_norm_output(
+    cpu_env, model_dirs
+):
+    """EAGLE-3.1's norm_output on the Llama drafter: the state fed into the
+    next draft step is the final norm's output, RMSNorm of the pre-norm sum
+    the same drafter feeds back without the flag (v0.16.0's behaviour); the
+    state the logits are computed from is the same either way."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    models = {
+        flag: build_drafter(
+            cpu_env, model_dirs, custom_ops=["none"],
+            draft=model_dirs.write(f"draft_llama_norm_output_{flag}", **LLAMA_DRAFT,
+                                   norm_output=flag),
+        )
+        for flag in (False, True)
+    }
+    assert models[True].model.norm_output is True
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in models[False].parameters():
+            if param.dtype.is_floating_point:
+                noise = torch.randn(param.shape, generator=g)
+                param.copy_(1.0 + 0.1 * noise if param.dim() == 1
+                            else noise / param.shape[-1] ** 0.5)
+    models[True].load_state_dict(models[False].state_dict())
+
+    T = 6
+    ids = torch.randint(0, VOCAB, (T,), generator=g)
+    pos = torch.arange(T) + 2
+    aux = torch.randn(T, 3 * HIDDEN, generator=g)
+    outs = {}
+    for flag, model in models.items():
+        finish_loading(model)
+        attn = model.model.layers[0].self_attn
+        attn.attn = _CausalAttention(attn.scaling)
+        cfg = model._vllm_config_for_test
+        with set_current_vllm_config(cfg), set_forward_context(None, cfg, num_tokens=T):
+            outs[flag] = model(ids, pos, model.combine_hidden_states(aux))
+    (out, prenorm), (out_31, fed_back_31) = outs[False], outs[True]
+    norm = models[True].model.norm.weight.detach()
+    torch.testing.assert_close(out, _rms(prenorm, norm), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_31, out)
+    torch.testing.assert_close(fed_back_31, _rms(prenorm, norm), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fed_back_31, prenorm, atol=1e-3)
 
 
 def test_mla_geometry_must_match_the_target(cpu_env, model_dirs):

@@ -110,3 +110,65 @@ def test_a_broken_series_is_refused(tmp_path: Path, damage, says: list[str]):
     proc = lint(patches)
     assert proc.returncode == 1
     assert all(s in proc.stderr for s in says), proc.stderr
+
+
+# --- upstream's own lint: its pinned ruff with its pyproject.toml ---
+
+UTILS = "vllm/v1/spec_decode/utils.py"
+
+
+def upstream_mail(pristine_tree: Path, tmp_path: Path, edit) -> Path:
+    """A one-patch series changing UTILS of the sdist by ``edit(text)``."""
+    import difflib
+
+    old = (pristine_tree / UTILS).read_text()
+    diff = "".join(difflib.unified_diff(
+        old.splitlines(keepends=True), edit(old).splitlines(keepends=True),
+        f"a/{UTILS}", f"b/{UTILS}",
+    ))
+    mail = write_mail(trailers=["Upstream-Status: Pending", f"Signed-off-by: {AUTHOR}"],
+                      author=AUTHOR)
+    mail = mail.split("diff --git ", 1)[0] + f"diff --git a/{UTILS} b/{UTILS}\n" + diff
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "Model-Foo.patch").write_text(mail)
+    (patches / "series").write_text("Model-Foo.patch\n")
+    return patches
+
+
+def test_committed_series_passes_upstream_ruff():
+    """Upstream's pre-commit (ruff check and ruff format at the pinned
+    version) would take every patched file as the series leaves it."""
+    proc = run_tool("lint_series", "--upstream-ruff")
+    assert proc.returncode == 0, proc.stderr
+    assert "ruff 0.14.0 with upstream's pyproject.toml" in proc.stdout, proc.stdout
+    assert "upstream's ruff finds nothing the series adds" in proc.stdout
+
+
+def test_upstream_ruff_reports_what_a_patch_adds(pristine_tree: Path, tmp_path: Path):
+    def edit(text: str) -> str:
+        # A stdlib import after the third-party ones (isort, I001) and a
+        # function ruff format would rewrite.
+        text = text.replace("import torch\n", "import torch\nimport copy\n", 1)
+        return text + "\n\ndef _copy_of( x ):\n    return copy.copy( x )\n"
+
+    proc = run_tool("lint_series", "--upstream-ruff", "--patches",
+                    str(upstream_mail(pristine_tree, tmp_path, edit)))
+    assert proc.returncode == 1, proc.stdout
+    problems = [ln for ln in proc.stderr.splitlines() if ln.startswith("[lint] ruff")]
+    assert len(problems) == 2, proc.stderr
+    assert f"ruff I001 at {UTILS}:" in problems[0]
+    assert problems[1] == (f"[lint] ruff format would change {UTILS} (upstream's "
+                           "pre-commit runs `ruff format`):")
+    assert "+def _copy_of(x):" in proc.stderr
+
+
+def test_upstream_ruff_passes_a_clean_change(pristine_tree: Path, tmp_path: Path):
+    """Only what a patch adds counts: a clean edit of an upstream file passes."""
+    def edit(text: str) -> str:
+        return text + "\n\ndef _identity(x):\n    return x\n"
+
+    proc = run_tool("lint_series", "--upstream-ruff", "--patches",
+                    str(upstream_mail(pristine_tree, tmp_path, edit)))
+    assert proc.returncode == 0, proc.stderr
+    assert "upstream's ruff finds nothing the series adds" in proc.stdout

@@ -101,8 +101,8 @@ def test_matrix_names_what_each_patch_is_needed_for(tmp_path: Path):
     assert result["marked_regression_but_failing_on_stock"] == []
     assert "no test needs: Docs-only.patch" in proc.stdout
     table = (tmp_path / "out" / "loo.md").read_text()
-    assert "| Add-a.patch | Bump-a.patch | 2 |" in table
-    assert "| Docs-only.patch | - | **none** |" in table
+    assert "| Add-a.patch | left out with later patches | Bump-a.patch | 2 |" in table
+    assert "| Docs-only.patch | left out | - | **none** |" in table
     # The overlays were copies: the site itself is untouched.
     assert (tmp_path / "site" / "pkg" / "mod.py").read_text() == "x = 1\n"
     assert not (tmp_path / "site" / "pkg" / "new.py").exists()
@@ -134,3 +134,130 @@ def test_wrong_regression_markers_are_listed(tmp_path: Path):
              for k in ("unmarked_and_needing_no_patch", "marked_regression_but_failing_on_stock")}
     assert names == {"unmarked_and_needing_no_patch": ["test_unmarked_needs_nothing"],
                      "marked_regression_but_failing_on_stock": ["test_marked_but_needs_a"]}
+
+
+# Add-c adds `c` to pkg/other.py; Add-d adds `d` two lines below, with `c`'s
+# line in its context, so without Add-c it no longer applies strictly. Its
+# change does not touch Add-c's lines: reverting Add-c alone is clean.
+OTHER = "".join(f"x{i} = {i}\n" for i in range(1, 7))
+REVERTIBLE = {
+    "Add-c.patch": """--- a/pkg/other.py
++++ b/pkg/other.py
+@@ -1,4 +1,5 @@
+ x1 = 1
++c = 1
+ x2 = 2
+ x3 = 3
+ x4 = 4
+""",
+    "Add-d.patch": """--- a/pkg/other.py
++++ b/pkg/other.py
+@@ -2,6 +2,7 @@ x1 = 1
+ c = 1
+ x2 = 2
+ x3 = 3
++d = 1
+ x4 = 4
+ x5 = 5
+ x6 = 6
+""",
+}
+# Add-f adds `f` on the line right after Add-e's `e`: git's three-way revert
+# of Add-e conflicts (neighbouring edits), and removing Add-e's line where it
+# stands resolves it.
+THIRD = "".join(f"y{i} = {i}\n" for i in range(1, 5))
+REVERTIBLE.update({
+    "Add-e.patch": """--- a/pkg/third.py
++++ b/pkg/third.py
+@@ -1,3 +1,4 @@
+ y1 = 1
++e = 1
+ y2 = 2
+ y3 = 3
+""",
+    "Add-f.patch": """--- a/pkg/third.py
++++ b/pkg/third.py
+@@ -1,4 +1,5 @@
+ y1 = 1
+ e = 1
++f = 1
+ y2 = 2
+ y3 = 3
+""",
+})
+REVERTIBLE_TESTS = """
+def test_e():
+    from pkg.third import e
+    assert e == 1
+
+def test_f():
+    from pkg.third import f
+    assert f == 1
+
+def test_c():
+    from pkg.other import c
+    assert c == 1
+
+def test_d():
+    from pkg.other import d
+    assert d == 1
+"""
+
+
+def test_a_patch_later_ones_build_on_is_reverted_alone(tmp_path: Path):
+    """Leaving Add-c out would drop Add-d too and count test_d for Add-c;
+    reverting Add-c's hunks on the fully patched file keeps Add-d, so only
+    Add-c's own test needs it. Where the revert conflicts (Bump-a rewrites
+    the line Add-a added), the later patch is left out as well, and named."""
+    PATCHES.update(REVERTIBLE)
+    try:
+        args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-c.patch", "Add-d.patch",
+                                "Add-e.patch", "Add-f.patch"])
+    finally:
+        for name in REVERTIBLE:
+            PATCHES.pop(name)
+    for root in ("source", "site"):
+        (tmp_path / root / "pkg" / "other.py").write_text(OTHER)
+        (tmp_path / root / "pkg" / "third.py").write_text(THIRD)
+    (tmp_path / "tests" / "test_other.py").write_text(REVERTIBLE_TESTS)
+    (tmp_path / "tests" / "test_new.py").unlink()
+    proc = run_tool("loo", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "loo.json").read_text())
+    entries = result["patches"]
+    needs = {n: sorted(t.rsplit("::", 1)[1] for t in e["needs"]) for n, e in entries.items()}
+    assert needs["Add-c.patch"] == ["test_c"]
+    assert entries["Add-c.patch"]["method"] == "reverted"
+    assert entries["Add-c.patch"]["dropped"] == []
+    assert needs["Add-d.patch"] == ["test_d"]
+    assert needs["Add-e.patch"] == ["test_e"]
+    assert entries["Add-e.patch"]["method"] == "reverted"
+    assert needs["Add-f.patch"] == ["test_f"]
+    assert entries["Add-d.patch"]["method"] == "left out"
+    assert entries["Add-a.patch"]["method"] == "left out with later patches"
+    assert entries["Add-a.patch"]["dropped"] == ["Bump-a.patch"]
+    assert "counted with later patches (their revert conflicts): Add-a.patch" in proc.stdout
+    table = (tmp_path / "out" / "loo.md").read_text()
+    assert "| Add-c.patch | reverted | - | 1 |" in table
+    # The source and site are untouched.
+    assert (tmp_path / "site" / "pkg" / "other.py").read_text() == OTHER
+
+
+def test_only_measures_the_named_patches_and_merges_the_rest(tmp_path: Path):
+    args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-new.patch"])
+    first = run_tool("loo", *args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    previous = tmp_path / "previous.json"
+    previous.write_text((tmp_path / "out" / "loo.json").read_text())
+    proc = run_tool("loo", "--only", "Bump-a.patch", "--merge", str(previous), *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "without Bump-a.patch" in proc.stdout
+    assert "without Add-a.patch" not in proc.stdout
+    result = json.loads((tmp_path / "out" / "loo.json").read_text())
+    assert list(result["patches"]) == ["Add-a.patch", "Bump-a.patch", "Add-new.patch"]
+    assert result["command"].startswith("python -m tools.loo --only Bump-a.patch ")
+    assert result["patches"]["Bump-a.patch"]["measured_by"] == result["command"]
+    old_command = json.loads(previous.read_text())["command"]
+    assert result["patches"]["Add-a.patch"]["measured_by"] == old_command
+    unknown = run_tool("loo", "--only", "Nope.patch", *args)
+    assert unknown.returncode == 1 and "Nope.patch" in unknown.stderr

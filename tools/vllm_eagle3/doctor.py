@@ -218,10 +218,17 @@ def nested_ids_warning() -> str:
     return "warns at config time when only eagle_config names the ids"
 
 
+@check("Model-Make-the-MLA-EAGLE-3-drafter-a-plain-nn.Module")
+def mla_drafter_plain_module() -> str:
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    assert not issubclass(_resolve("Eagle3DeepseekV2ForCausalLM"), DeepseekV2ForCausalLM)
+    return "the MLA drafter claims no PP, MoE, LoRA or EAGLE-3 target interface"
+
+
 @check("Spec-Decode-Check-EAGLE-3-aux-ids-and-refuse-PP-at-c")
 def config_time_checks() -> str:
     from vllm.config import speculative
-    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
 
     try:
         speculative.check_eagle3_aux_layer_ids((2, 30, 62), 61, "here")
@@ -230,8 +237,8 @@ def config_time_checks() -> str:
     else:
         raise AssertionError("accepts id 62 for a 61-layer target")
     assert "_verify_eagle3_parallel" in inspect.getsource(speculative.SpeculativeConfig)
-    assert not issubclass(_resolve("Eagle3DeepseekV2ForCausalLM"), DeepseekV2ForCausalLM)
-    return "ids and PP checked by SpeculativeConfig; the MLA drafter claims no PP"
+    assert "[2, 30, 58]" in speculative.eagle3_default_aux_layer_ids_warning((2, 30, 58), 61)
+    return "ids and PP checked by SpeculativeConfig; a drafter with no ids warned"
 
 
 @check("Spec-Decode-Refuse-EAGLE-3-with-DBO-micro-batching-a")

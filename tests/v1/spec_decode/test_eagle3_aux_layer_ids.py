@@ -204,11 +204,18 @@ def test_warning_names_an_output_reading_past_the_last_layer(tiny_config, monkey
 
 @pytest.mark.parametrize(
     "fields",
-    [{TOP: [1, 4, 7]}, {TOP: [1, 4, 7], "eagle_config": {TOP: [1, 4, 7]}}, {}],
-    ids=["top_level", "top_level_and_nested", "target_default"],
+    [{TOP: [1, 4, 7]}, {TOP: [1, 4, 7], "eagle_config": {TOP: [1, 4, 7]}}],
+    ids=["top_level", "top_level_and_nested"],
 )
 def test_no_warning_without_nested_only_ids(tiny_config, monkeypatch, fields):
     assert build(tiny_config, monkeypatch, **fields) == []
+
+
+def test_target_default_gets_the_no_ids_warning_not_this_one(tiny_config, monkeypatch):
+    # No ids at all: the default's warning (test_eagle3_config_checks.py).
+    (msg,) = build(tiny_config, monkeypatch)
+    assert "names no aux layer ids" in msg and "eagle_config." in msg
+    assert "the outputs of layers" not in msg
 
 
 def test_convert_writes_top_level_ids_and_ends_the_warning(

@@ -27,7 +27,7 @@ NO_AUX = {"use_aux_hidden_state": False}
 def spec(tiny_config):
     """``spec(target_kind, **drafter_fields)``: the SpeculativeConfig."""
 
-    def build(target_kind: str, **drafter_fields) -> SpeculativeConfig:
+    def build(target_kind: str, spec_fields=None, **drafter_fields) -> SpeculativeConfig:
         path = tiny_config(target_kind, f"target_{target_kind}")
         target = ModelConfig(
             model=path, tokenizer=path, skip_tokenizer_init=True, dtype="bfloat16"
@@ -36,6 +36,7 @@ def spec(tiny_config):
         return SpeculativeConfig(
             method="eagle3", model=drafter, num_speculative_tokens=3,
             target_model_config=target, target_parallel_config=ParallelConfig(),
+            **(spec_fields or {}),
         )
 
     return build
@@ -64,6 +65,25 @@ def test_same_drafter_same_hash(spec):
 def test_drafter_change_changes_the_hash(spec, target_kind, before, after):
     before_hash = spec(target_kind, **before).compute_hash()
     assert before_hash != spec(target_kind, **after).compute_hash()
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [(None, "TRITON_ATTN"), ("TRITON_ATTN", "FLASH_ATTN"), ("FLASH_ATTN", None)],
+    ids=["auto_vs_named", "named_vs_other", "named_vs_auto"],
+)
+def test_drafter_attention_backend_changes_the_hash(spec, before, after):
+    """The drafter's graph shares the target's cache directory, and its
+    backend (speculative_config.attention_backend) is not the target's, which
+    AttentionConfig hashes: a drafter compiled under one backend must not be
+    loaded for a run that asked for another."""
+
+    def spec_hash(backend):
+        fields = {} if backend is None else {"attention_backend": backend}
+        return spec("llama", fields, **{TOP: IDS}).compute_hash()
+
+    assert spec_hash(before) != spec_hash(after)
+    assert spec_hash(after) == spec_hash(after)
 
 
 def test_vllm_config_hash_names_another_cache_directory(spec):

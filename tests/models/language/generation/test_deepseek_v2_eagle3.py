@@ -4,12 +4,18 @@
 
 CPU-only: DeepseekV2Model.forward runs on stand-in decoder layers that treat
 the residual stream as the real ones do, so no kernels, weights or
-distributed setup are needed.
+distributed setup are needed; the AOT test compiles a tiny model with
+inductor in two child processes (_deepseek_v2_aot_child.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -364,6 +370,41 @@ def test_aux_layers_cannot_change_after_the_model_compiled(pp_group):
     with pytest.raises(RuntimeError, match=r"after DeepseekV2Model was compiled"):
         lm.set_aux_hidden_state_layers((3, 31, 59))
     assert lm.model.aux_hidden_state_layers == (2, 30, 58)
+
+
+def _aot_start(cache_root: Path, work: Path) -> dict:
+    """One engine start's compile in a fresh process (the compilation
+    config's hash, which names the AOT cache entry, is only stable across
+    processes, as between two real starts)."""
+    work.mkdir()
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), "VLLM_USE_AOT_COMPILE": "1",
+           "VLLM_MLA_DISABLE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "_deepseek_v2_aot_child.py"), str(work)],
+        cwd=work, env=env, capture_output=True, text=True, timeout=900,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AOT-CHILD ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("AOT-CHILD "))
+
+
+def test_aux_layers_cannot_change_after_the_graph_loaded_from_the_aot_cache(tmp_path):
+    """With AOT compile (vLLM's default from torch 2.10), a warm start loads
+    the compiled graph from disk: support_torch_compile then never sets
+    `compiled`, and the loaded graph is guard-less too. A cold start compiles
+    and saves; the warm one must refuse a different aux tuple all the same."""
+    cache = tmp_path / "cache"
+    cold = _aot_start(cache, tmp_path / "cold")
+    assert cold["compiled"] and not cold["loaded_from_disk"], cold
+    assert list(cache.glob("torch_aot_compile/*/rank_0_0/model")), "no AOT artifact saved"
+    warm = _aot_start(cache, tmp_path / "warm")
+    # The real load path: from disk, and `compiled` never set.
+    assert warm["loaded_from_disk"] and not warm["compiled"], warm
+    assert warm["aux_states"] == 2
+    assert warm["refused"] is not None, "aux layers changed on a graph loaded from disk"
+    assert "after DeepseekV2Model was compiled capturing [1, 2]" in warm["refused"]
+    # Why: the loaded graph keeps returning the states it was traced with.
+    assert warm["aux_states_after_change"] == 2
 
 
 @pytest.mark.regression
