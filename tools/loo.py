@@ -21,10 +21,15 @@ every later patch kept (method "reverted"). git counts an edit on a
 neighbouring line as a conflict; where P only added lines in a conflicting
 region and they still stand there verbatim, they are removed from the later
 state (also "reverted"). Only where that does not resolve it (a later patch
-rewrote P's lines, or P removed lines there) are the later patches that no
-longer apply left out too (method "left out with later patches", naming
-them), and the count is not P's alone. --only measures the named patches and keeps the
-other entries of --merge (a previous loo.json) as they were.
+rewrote P's lines, or P removed lines there), P is measured on the series
+without its dependants D, the later patches that no longer apply without P:
+one run without D, one without P and D, and P needs the tests that pass in
+the first and fail in the second (method "left out before its dependants",
+naming D). Both runs differ in P alone, so the count is P's own; a test that
+needs P and a dependant together is counted for neither. Only if the series
+without D does not apply either are D left out with P and counted with it
+(method "left out with later patches"). --only measures the named patches and
+keeps the other entries of --merge (a previous loo.json) as they were.
 """
 
 from __future__ import annotations
@@ -57,11 +62,13 @@ TOOL = "loo"
 UNIT_TESTS = ["tests/models", "tests/v1", "tests/transformers_utils"]
 
 
-def stack_without(source: Path, series: Path, left_out: str | None,
+def stack_without(source: Path, series: Path, left_out: str | frozenset[str] | None,
                   tree: Path) -> tuple[list[str], list[str]]:
     """Copy the files the series touches from ``source`` into ``tree`` and apply
-    the series except ``left_out`` there, skipping each later patch that no
-    longer applies strictly. Returns (touched paths, dropped patches)."""
+    the series except ``left_out`` (one patch or several) there, skipping each
+    later patch that no longer applies strictly. Returns (touched paths,
+    dropped patches)."""
+    skip = {left_out} if isinstance(left_out, str) else set(left_out or ())
     paths = series_paths(series)
     for path in paths:
         if (source / path).exists():
@@ -69,12 +76,12 @@ def stack_without(source: Path, series: Path, left_out: str | None,
             shutil.copy2(source / path, tree / path)
     dropped: list[str] = []
     for name in read_series(series):
-        if name == left_out:
+        if name in skip:
             continue
         try:
             apply_patch(tree, series.parent / name)
         except StackError as e:
-            if left_out is None:
+            if not skip:
                 raise StackError(f"the whole series does not apply: {e}") from None
             dropped.append(name)
     return paths, dropped
@@ -188,7 +195,7 @@ def run_tests(python: Path, site: Path, tests: list[str], junit: Path,
 
 
 def markdown(result: dict) -> str:
-    rows = ["| patch | measured by | later patches also left out | tests that need it |",
+    rows = ["| patch | measured by | later patches left out | tests that need it |",
             "| --- | --- | --- | --- |"]
     rows += [f"| {name} | {e.get('method', 'left out')} | {', '.join(e['dropped']) or '-'} "
              f"| {len(e['needs']) or '**none**'} |"
@@ -198,10 +205,16 @@ def markdown(result: dict) -> str:
             + "\n".join(rows) + "\n")
 
 
+BEFORE_DEPENDANTS = "left out before its dependants"
+
+
 def tree_without(source: Path, series: Path, left_out: str | None,
                  tree: Path) -> tuple[list[str], list[str], str | None]:
     """The touched files without ``left_out``'s own change (module
-    docstring): (touched paths, later patches also left out, method)."""
+    docstring): (touched paths, later patches also left out, method). With
+    method BEFORE_DEPENDANTS the tree is the series without ``left_out`` and
+    the dropped patches, and the caller also runs the series without the
+    dropped patches alone (``stack_without`` with them)."""
     paths, dropped = stack_without(source, series, left_out, tree)
     if left_out is None or not dropped:
         return paths, dropped, None if left_out is None else "left out"
@@ -210,8 +223,10 @@ def tree_without(source: Path, series: Path, left_out: str | None,
     if clean:
         return paths, [], "reverted"
     shutil.rmtree(tree)
+    with tempfile.TemporaryDirectory(prefix="loo-base-") as base:
+        _, also = stack_without(source, series, frozenset(dropped), Path(base))
     paths, dropped = stack_without(source, series, left_out, tree)
-    return paths, dropped, "left out with later patches"
+    return paths, dropped, ("left out with later patches" if also else BEFORE_DEPENDANTS)
 
 
 def main() -> int:
@@ -270,6 +285,20 @@ def main() -> int:
                 + (f" (and {', '.join(dropped)})" if dropped else "")
                 + f": {failed} of {len(results)} failed, {time.monotonic() - t0:.0f} s")
             runs[left_out] = {"dropped": dropped, "method": method, "outcomes": results}
+            if method == BEFORE_DEPENDANTS:
+                # The other run of the pair: the series without the
+                # dependants alone, P kept.
+                paths, _ = stack_without(source, args.series, frozenset(dropped), tree)
+                overlay(args.site, tree, paths, site)
+                t0 = time.monotonic()
+                base = run_tests(args.python, site, args.tests,
+                                 junit.with_suffix(".base.xml"))
+                shutil.rmtree(site)
+                shutil.rmtree(tree)
+                say(TOOL, f"without {', '.join(dropped)} only (keeping {left_out}): "
+                    f"{sum(o == 'failed' for o in base.values())} of {len(base)} failed, "
+                    f"{time.monotonic() - t0:.0f} s")
+                runs[left_out]["base"] = base
         # Stock: what the regression tests must pass on.
         t0 = time.monotonic()
         stock = run_tests(args.python, args.site, args.tests, args.out / "stock.xml",
@@ -283,7 +312,8 @@ def main() -> int:
                + " ".join(args.tests))
     entries = {name: {"method": run["method"], "dropped": run["dropped"],
                       "needs": sorted(t for t in passing
-                                      if run["outcomes"].get(t, "failed") == "failed"),
+                                      if run["outcomes"].get(t, "failed") == "failed"
+                                      and run.get("base", {t: "passed"}).get(t) == "passed"),
                       "measured_by": command}
                for name, run in runs.items()}
     if previous:
@@ -325,7 +355,8 @@ def main() -> int:
         say(TOOL, f"{key.replace('_', ' ')}: {', '.join(result[key])}")
     if unneeded := [n for n, e in result["patches"].items() if not e["needs"]]:
         say(TOOL, f"no test needs: {', '.join(unneeded)}")
-    if not_alone := [n for n, e in result["patches"].items() if e["dropped"]]:
+    if not_alone := [n for n, e in result["patches"].items()
+                     if e["method"] == "left out with later patches"]:
         say(TOOL, f"counted with later patches (their revert conflicts): {', '.join(not_alone)}")
     if wrong or unneeded:
         return 1

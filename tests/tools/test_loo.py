@@ -88,8 +88,10 @@ def test_matrix_names_what_each_patch_is_needed_for(tmp_path: Path):
     result = json.loads((tmp_path / "out" / "loo.json").read_text())
     needs = {n: sorted(t.rsplit("::", 1)[1] for t in e["needs"])
              for n, e in result["patches"].items()}
+    # test_a_is_two needs Add-a and Bump-a together: it is Bump-a's, and
+    # Add-a, measured on the series without Bump-a, counts only its own.
     assert needs == {
-        "Add-a.patch": ["test_a_exists", "test_a_is_two"],
+        "Add-a.patch": ["test_a_exists"],
         "Bump-a.patch": ["test_a_is_two"],
         "Add-new.patch": ["test_b", "test_b_at_import"],
         "Docs-only.patch": [],
@@ -101,7 +103,7 @@ def test_matrix_names_what_each_patch_is_needed_for(tmp_path: Path):
     assert result["marked_regression_but_failing_on_stock"] == []
     assert "no test needs: Docs-only.patch" in proc.stdout
     table = (tmp_path / "out" / "loo.md").read_text()
-    assert "| Add-a.patch | left out with later patches | Bump-a.patch | 2 |" in table
+    assert "| Add-a.patch | left out before its dependants | Bump-a.patch | 1 |" in table
     assert "| Docs-only.patch | left out | - | **none** |" in table
     # The overlays were copies: the site itself is untouched.
     assert (tmp_path / "site" / "pkg" / "mod.py").read_text() == "x = 1\n"
@@ -208,7 +210,7 @@ def test_a_patch_later_ones_build_on_is_reverted_alone(tmp_path: Path):
     """Leaving Add-c out would drop Add-d too and count test_d for Add-c;
     reverting Add-c's hunks on the fully patched file keeps Add-d, so only
     Add-c's own test needs it. Where the revert conflicts (Bump-a rewrites
-    the line Add-a added), the later patch is left out as well, and named."""
+    the line Add-a added), Add-a is measured on the series without Bump-a."""
     PATCHES.update(REVERTIBLE)
     try:
         args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-c.patch", "Add-d.patch",
@@ -234,9 +236,11 @@ def test_a_patch_later_ones_build_on_is_reverted_alone(tmp_path: Path):
     assert entries["Add-e.patch"]["method"] == "reverted"
     assert needs["Add-f.patch"] == ["test_f"]
     assert entries["Add-d.patch"]["method"] == "left out"
-    assert entries["Add-a.patch"]["method"] == "left out with later patches"
+    assert entries["Add-a.patch"]["method"] == "left out before its dependants"
     assert entries["Add-a.patch"]["dropped"] == ["Bump-a.patch"]
-    assert "counted with later patches (their revert conflicts): Add-a.patch" in proc.stdout
+    assert needs["Add-a.patch"] == ["test_a_exists"]
+    assert "without Bump-a.patch only (keeping Add-a.patch)" in proc.stdout
+    assert "counted with later patches" not in proc.stdout
     table = (tmp_path / "out" / "loo.md").read_text()
     assert "| Add-c.patch | reverted | - | 1 |" in table
     # The source and site are untouched.
@@ -261,3 +265,67 @@ def test_only_measures_the_named_patches_and_merges_the_rest(tmp_path: Path):
     assert result["patches"]["Add-a.patch"]["measured_by"] == old_command
     unknown = run_tool("loo", "--only", "Nope.patch", *args)
     assert unknown.returncode == 1 and "Nope.patch" in unknown.stderr
+
+
+# Add-g writes `g` (rewritten by Bump-g, so reverting Add-g conflicts) and `h`
+# (which Bump-g takes away again). Add-i's context spans where `h` stood: it
+# applies without Add-g and with the whole series, but not on the series
+# without Bump-g, so Add-g cannot be measured before its dependant.
+FOURTH = "".join(f"z{i} = {i}\n" for i in range(1, 9))
+ENTANGLED = {
+    "Add-g.patch": """--- a/pkg/fourth.py
++++ b/pkg/fourth.py
+@@ -2,2 +2,3 @@ z1 = 1
+ z2 = 2
++h = 1
+ z3 = 3
+@@ -6,2 +7,3 @@ z5 = 5
+ z6 = 6
++g = 1
+ z7 = 7
+""",
+    "Bump-g.patch": """--- a/pkg/fourth.py
++++ b/pkg/fourth.py
+@@ -2,3 +2,2 @@ z1 = 1
+ z2 = 2
+-h = 1
+ z3 = 3
+@@ -7,3 +6,3 @@ z5 = 5
+ z6 = 6
+-g = 1
++g = 2
+ z7 = 7
+""",
+    "Add-i.patch": """--- a/pkg/fourth.py
++++ b/pkg/fourth.py
+@@ -2,2 +2,3 @@ z1 = 1
+ z2 = 2
++i = 1
+ z3 = 3
+""",
+}
+
+
+def test_a_patch_measured_with_its_dependants_when_nothing_else_applies(tmp_path: Path):
+    PATCHES.update(ENTANGLED)
+    try:
+        args = setup(tmp_path, ["Add-new.patch", *ENTANGLED])
+    finally:
+        for name in ENTANGLED:
+            PATCHES.pop(name)
+    for root in ("source", "site"):
+        (tmp_path / root / "pkg" / "fourth.py").write_text(FOURTH)
+    (tmp_path / "tests" / "test_fourth.py").write_text(
+        "from pkg import fourth\n\n"
+        "def test_g_is_two():\n    assert fourth.g == 2\n\n"
+        "def test_no_h():\n    assert not hasattr(fourth, 'h')\n\n"
+        "def test_i():\n    assert fourth.i == 1\n")
+    (tmp_path / "tests" / "test_pkg.py").unlink()
+    proc = run_tool("loo", *args)
+    result = json.loads((tmp_path / "out" / "loo.json").read_text())
+    entry = result["patches"]["Add-g.patch"]
+    assert entry["method"] == "left out with later patches", proc.stdout
+    assert entry["dropped"] == ["Bump-g.patch"]
+    assert sorted(t.rsplit("::", 1)[1] for t in entry["needs"]) == ["test_g_is_two"]
+    assert "counted with later patches (their revert conflicts): Add-g.patch" in proc.stdout
+    assert "keeping Add-g.patch" not in proc.stdout
