@@ -70,6 +70,7 @@ def stack_without(source: Path, series: Path, left_out: str | frozenset[str] | N
     dropped patches)."""
     skip = {left_out} if isinstance(left_out, str) else set(left_out or ())
     paths = series_paths(series)
+    tree.mkdir(parents=True, exist_ok=True)
     for path in paths:
         if (source / path).exists():
             (tree / path).parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +101,7 @@ def stack_reverting(source: Path, series: Path, left_out: str,
     reverted by three-way merge (every later patch kept), in ``tree``.
     Returns (touched paths, whether the revert applied without conflict)."""
     paths = series_paths(series)
+    tree.mkdir(parents=True, exist_ok=True)
     for path in paths:
         if (source / path).exists():
             (tree / path).parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +151,11 @@ def _resolve_revert(path: Path) -> bool:
                 del ours[hits[0]:hits[0] + len(block)]
         return "".join(ours)
 
-    text = path.read_text()
+    text = path.read_text() if path.exists() else ""
+    if not CONFLICT_RE.search(text):
+        # No region to resolve: a modify/delete conflict (P added the file,
+        # a later patch edited it) leaves the later file whole, unreverted.
+        return False
     try:
         resolved = CONFLICT_RE.sub(resolve, text)
     except ValueError:

@@ -329,3 +329,43 @@ def test_a_patch_measured_with_its_dependants_when_nothing_else_applies(tmp_path
     assert sorted(t.rsplit("::", 1)[1] for t in entry["needs"]) == ["test_g_is_two"]
     assert "counted with later patches (their revert conflicts): Add-g.patch" in proc.stdout
     assert "keeping Add-g.patch" not in proc.stdout
+
+
+# Add-mod creates pkg/added.py; Edit-mod edits it. Reverting Add-mod on the
+# whole series is a modify/delete conflict with no markers in the file: the
+# file must not count as reverted (it would still hold everything).
+ADDED = {
+    "Add-mod.patch": """--- /dev/null
++++ b/pkg/added.py
+@@ -0,0 +1,2 @@
++m = 1
++n = 1
+""",
+    "Edit-mod.patch": """--- a/pkg/added.py
++++ b/pkg/added.py
+@@ -1,2 +1,2 @@
+ m = 1
+-n = 1
++n = 2
+""",
+}
+
+
+def test_a_created_file_a_later_patch_edits_is_not_taken_as_reverted(tmp_path: Path):
+    PATCHES.update(ADDED)
+    try:
+        args = setup(tmp_path, list(ADDED))
+    finally:
+        for name in ADDED:
+            PATCHES.pop(name)
+    (tmp_path / "tests" / "test_pkg.py").write_text(
+        "def test_m():\n    from pkg.added import m\n    assert m == 1\n\n"
+        "def test_n_is_two():\n    from pkg.added import n\n    assert n == 2\n")
+    (tmp_path / "tests" / "test_new.py").unlink()
+    proc = run_tool("loo", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entries = json.loads((tmp_path / "out" / "loo.json").read_text())["patches"]
+    assert entries["Add-mod.patch"]["method"] == "left out before its dependants"
+    assert entries["Add-mod.patch"]["dropped"] == ["Edit-mod.patch"]
+    assert [t.rsplit("::", 1)[1] for t in entries["Add-mod.patch"]["needs"]] == ["test_m"]
+    assert [t.rsplit("::", 1)[1] for t in entries["Edit-mod.patch"]["needs"]] == ["test_n_is_two"]
