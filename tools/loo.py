@@ -313,9 +313,9 @@ def main() -> int:
             f"of {len(stock)} failed, {time.monotonic() - t0:.0f} s")
     whole = runs.pop(None)["outcomes"]
     passing = {t for t, o in whole.items() if o == "passed"}
-    command = ("python -m tools.loo "
-               + (f"--only {' '.join(selected)} " if args.only else "")
-               + " ".join(args.tests))
+    # As it can be run again: --only takes every name after it.
+    command = ("python -m tools.loo " + " ".join(args.tests)
+               + (f" --only {' '.join(selected)}" if args.only else ""))
     entries = {name: {"method": run["method"], "dropped": run["dropped"],
                       "needs": sorted(t for t in passing
                                       if run["outcomes"].get(t, "failed") == "failed"
