@@ -68,7 +68,7 @@ def capture(target: Path, texts: list[str], layers: tuple[int, ...]) -> list[dic
 
 def train(root: Path, target: Path, seqs: list[dict], steps: int) -> Path:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from tools.gpu_harness import training
 
@@ -87,15 +87,8 @@ def train(root: Path, target: Path, seqs: list[dict], steps: int) -> Path:
     mask = torch.zeros_like(toks)
     for row, s in enumerate(seqs):
         mask[row, s["prompt_len"]:] = 1
-    step = training.optimizer(drafter.params(), 3e-3, steps)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        idx = torch.randint(0, len(seqs), (16,), generator=gen)
-        losses, _ = drafter.unrolled_loss(toks[idx], aux[idx], mask[idx])
-        step(sum(w * x for w, x in zip((1.0, 0.8, 0.6), losses)))
-    new = {k: v.detach().to(weights[k].dtype).contiguous() for k, v in drafter.p.items()}
-    new.update(d2t=weights["d2t"], t2d=weights["t2d"])
-    save_file(new, str(d / "model.safetensors"), metadata={"format": "pt"})
+    training.fit(drafter, toks, aux, mask, steps)
+    training.save(drafter.p, weights, d / "model.safetensors")
     return d
 
 

@@ -62,6 +62,18 @@ TOOL = "loo"
 UNIT_TESTS = ["tests/models", "tests/v1", "tests/transformers_utils"]
 
 
+def copy_touched(source: Path, series: Path, tree: Path) -> list[str]:
+    """Copy the files the series touches that ``source`` has into ``tree``;
+    returns every path the series touches."""
+    paths = series_paths(series)
+    tree.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        if (source / path).exists():
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / path, tree / path)
+    return paths
+
+
 def stack_without(source: Path, series: Path, left_out: str | frozenset[str] | None,
                   tree: Path) -> tuple[list[str], list[str]]:
     """Copy the files the series touches from ``source`` into ``tree`` and apply
@@ -69,12 +81,7 @@ def stack_without(source: Path, series: Path, left_out: str | frozenset[str] | N
     later patch that no longer applies strictly. Returns (touched paths,
     dropped patches)."""
     skip = {left_out} if isinstance(left_out, str) else set(left_out or ())
-    paths = series_paths(series)
-    tree.mkdir(parents=True, exist_ok=True)
-    for path in paths:
-        if (source / path).exists():
-            (tree / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source / path, tree / path)
+    paths = copy_touched(source, series, tree)
     dropped: list[str] = []
     for name in read_series(series):
         if name in skip:
@@ -100,12 +107,7 @@ def stack_reverting(source: Path, series: Path, left_out: str,
     """The touched files of the whole series with ``left_out``'s hunks
     reverted by three-way merge (every later patch kept), in ``tree``.
     Returns (touched paths, whether the revert applied without conflict)."""
-    paths = series_paths(series)
-    tree.mkdir(parents=True, exist_ok=True)
-    for path in paths:
-        if (source / path).exists():
-            (tree / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source / path, tree / path)
+    paths = copy_touched(source, series, tree)
     _git(tree, "init", "-q")
     _git(tree, "add", "-A")
     _git(tree, "commit", "-q", "--allow-empty", "-m", "base")
@@ -214,13 +216,13 @@ def markdown(result: dict) -> str:
 BEFORE_DEPENDANTS = "left out before its dependants"
 
 
-def tree_without(source: Path, series: Path, left_out: str | None,
-                 tree: Path) -> tuple[list[str], list[str], str | None]:
+def tree_without(source: Path, series: Path, left_out: str | None, tree: Path,
+                 base: Path) -> tuple[list[str], list[str], str | None]:
     """The touched files without ``left_out``'s own change (module
     docstring): (touched paths, later patches also left out, method). With
-    method BEFORE_DEPENDANTS the tree is the series without ``left_out`` and
-    the dropped patches, and the caller also runs the series without the
-    dropped patches alone (``stack_without`` with them)."""
+    method BEFORE_DEPENDANTS, ``tree`` is the series without ``left_out`` and
+    the dropped patches, and ``base`` the series without the dropped ones
+    alone: the other run of the pair."""
     paths, dropped = stack_without(source, series, left_out, tree)
     if left_out is None or not dropped:
         return paths, dropped, None if left_out is None else "left out"
@@ -229,10 +231,12 @@ def tree_without(source: Path, series: Path, left_out: str | None,
     if clean:
         return paths, [], "reverted"
     shutil.rmtree(tree)
-    with tempfile.TemporaryDirectory(prefix="loo-base-") as base:
-        _, also = stack_without(source, series, frozenset(dropped), Path(base))
     paths, dropped = stack_without(source, series, left_out, tree)
-    return paths, dropped, ("left out with later patches" if also else BEFORE_DEPENDANTS)
+    _, also = stack_without(source, series, frozenset(dropped), base)
+    if also:
+        shutil.rmtree(base)
+        return paths, dropped, "left out with later patches"
+    return paths, dropped, BEFORE_DEPENDANTS
 
 
 def main() -> int:
@@ -271,7 +275,8 @@ def main() -> int:
         runs: dict[str | None, dict] = {}
         for i, left_out in enumerate([None, *selected]):
             tree, site = Path(tmp) / f"tree-{i}", Path(tmp) / f"site-{i}"
-            paths, dropped, method = tree_without(source, args.series, left_out, tree)
+            base = Path(tmp) / f"base-{i}"
+            paths, dropped, method = tree_without(source, args.series, left_out, tree, base)
             overlay(args.site, tree, paths, site)
             junit = args.out / f"{i:02d}.xml"
             t0 = time.monotonic()
@@ -294,17 +299,15 @@ def main() -> int:
             if method == BEFORE_DEPENDANTS:
                 # The other run of the pair: the series without the
                 # dependants alone, P kept.
-                paths, _ = stack_without(source, args.series, frozenset(dropped), tree)
-                overlay(args.site, tree, paths, site)
+                overlay(args.site, base, paths, site)
                 t0 = time.monotonic()
-                base = run_tests(args.python, site, args.tests,
-                                 junit.with_suffix(".base.xml"))
+                kept = run_tests(args.python, site, args.tests, junit.with_suffix(".base.xml"))
                 shutil.rmtree(site)
-                shutil.rmtree(tree)
+                shutil.rmtree(base)
                 say(TOOL, f"without {', '.join(dropped)} only (keeping {left_out}): "
-                    f"{sum(o == 'failed' for o in base.values())} of {len(base)} failed, "
+                    f"{sum(o == 'failed' for o in kept.values())} of {len(kept)} failed, "
                     f"{time.monotonic() - t0:.0f} s")
-                runs[left_out]["base"] = base
+                runs[left_out]["base"] = kept
         # Stock: what the regression tests must pass on.
         t0 = time.monotonic()
         stock = run_tests(args.python, args.site, args.tests, args.out / "stock.xml",

@@ -68,7 +68,7 @@ def _train(root: Path, name: str, states: list[dict[int, torch.Tensor]], seqs: l
            steps: int = 150) -> Path:
     """A tiny drafter (config ids [1, 3, 5]) trained on ``layers``' states
     with the GPU benchmark's training loop (k = 3 unrolled, pure torch)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     bench = _bench()
 
@@ -88,15 +88,8 @@ def _train(root: Path, name: str, states: list[dict[int, torch.Tensor]], seqs: l
     mask = torch.zeros_like(toks)
     for row, p in enumerate(prompt_lens):
         mask[row, p:] = 1
-    step = bench.optimizer(drafter.params(), 3e-3, steps)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        idx = torch.randint(0, len(seqs), (16,), generator=gen)
-        losses, _ = drafter.unrolled_loss(toks[idx], aux[idx], mask[idx])
-        step(sum(w * x for w, x in zip((1.0, 0.8, 0.6), losses)))
-    new = {k: v.detach().to(weights[k].dtype).contiguous() for k, v in drafter.p.items()}
-    new.update(d2t=weights["d2t"], t2d=weights["t2d"])
-    save_file(new, str(d / "model.safetensors"), metadata={"format": "pt"})
+    bench.fit(drafter, toks, aux, mask, steps)
+    bench.save(drafter.p, weights, d / "model.safetensors")
     return d
 
 

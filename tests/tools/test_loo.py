@@ -59,7 +59,9 @@ def test_x_needs_nothing():
 """
 
 
-def setup(tmp_path: Path, names: list[str]) -> list[str]:
+def setup(tmp_path: Path, names: list[str], extra: dict[str, str] | None = None) -> list[str]:
+    """A series of ``names``, from PATCHES or ``extra`` (a test's own patches)."""
+    texts = {**PATCHES, **(extra or {})}
     for root in ("source", "site"):
         (tmp_path / root / "pkg").mkdir(parents=True)
         (tmp_path / root / "pkg" / "__init__.py").write_text("")
@@ -69,7 +71,7 @@ def setup(tmp_path: Path, names: list[str]) -> list[str]:
     patches = tmp_path / "patches"
     patches.mkdir()
     for name in names:
-        (patches / name).write_text(PATCHES[name])
+        (patches / name).write_text(texts[name])
     (patches / "series").write_text("".join(f"{n}\n" for n in names))
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_pkg.py").write_text(TESTS)
@@ -211,13 +213,8 @@ def test_a_patch_later_ones_build_on_is_reverted_alone(tmp_path: Path):
     reverting Add-c's hunks on the fully patched file keeps Add-d, so only
     Add-c's own test needs it. Where the revert conflicts (Bump-a rewrites
     the line Add-a added), Add-a is measured on the series without Bump-a."""
-    PATCHES.update(REVERTIBLE)
-    try:
-        args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-c.patch", "Add-d.patch",
-                                "Add-e.patch", "Add-f.patch"])
-    finally:
-        for name in REVERTIBLE:
-            PATCHES.pop(name)
+    args = setup(tmp_path, ["Add-a.patch", "Bump-a.patch", "Add-c.patch", "Add-d.patch",
+                            "Add-e.patch", "Add-f.patch"], REVERTIBLE)
     for root in ("source", "site"):
         (tmp_path / root / "pkg" / "other.py").write_text(OTHER)
         (tmp_path / root / "pkg" / "third.py").write_text(THIRD)
@@ -308,12 +305,7 @@ ENTANGLED = {
 
 
 def test_a_patch_measured_with_its_dependants_when_nothing_else_applies(tmp_path: Path):
-    PATCHES.update(ENTANGLED)
-    try:
-        args = setup(tmp_path, ["Add-new.patch", *ENTANGLED])
-    finally:
-        for name in ENTANGLED:
-            PATCHES.pop(name)
+    args = setup(tmp_path, ["Add-new.patch", *ENTANGLED], ENTANGLED)
     for root in ("source", "site"):
         (tmp_path / root / "pkg" / "fourth.py").write_text(FOURTH)
     (tmp_path / "tests" / "test_fourth.py").write_text(
@@ -353,12 +345,7 @@ ADDED = {
 
 
 def test_a_created_file_a_later_patch_edits_is_not_taken_as_reverted(tmp_path: Path):
-    PATCHES.update(ADDED)
-    try:
-        args = setup(tmp_path, list(ADDED))
-    finally:
-        for name in ADDED:
-            PATCHES.pop(name)
+    args = setup(tmp_path, list(ADDED), ADDED)
     (tmp_path / "tests" / "test_pkg.py").write_text(
         "def test_m():\n    from pkg.added import m\n    assert m == 1\n\n"
         "def test_n_is_two():\n    from pkg.added import n\n    assert n == 2\n")

@@ -129,9 +129,14 @@ class Drafter:
                   for k, v in weights.items() if k not in ("d2t", "t2d")}
         self.embed = embed.to(device).float()
         self.eps = cfg["rms_norm_eps"]
-        self.nh, self.nkv, self.hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        self.theta = cfg.get("rope_theta", 10000.0)
+        self.nh = cfg["num_attention_heads"]
         self.torch = torch
+        self.init_attention(cfg, device)
+
+    def init_attention(self, cfg, device) -> None:
+        """What ``qkv`` reads from the config: Llama's GQA and rope."""
+        self.nkv, self.hd = cfg["num_key_value_heads"], cfg["head_dim"]
+        self.theta = cfg.get("rope_theta", 10000.0)
 
     def params(self):
         return [v for v in self.p.values() if v.requires_grad]
@@ -144,37 +149,43 @@ class Drafter:
         torch, p = self.torch, self.p
         B, L, H = hidden.shape
         e = _rms(self.embed[tok], p["midlayer.input_layernorm.weight"], self.eps)
-        resid = hidden
-        hn = _rms(hidden, p["midlayer.hidden_norm.weight"], self.eps)
-        x = torch.cat([e, hn], dim=-1)
-        q = (x @ p["midlayer.self_attn.q_proj.weight"].T).view(B, L, self.nh, self.hd).transpose(1, 2)
-        k = (x @ p["midlayer.self_attn.k_proj.weight"].T).view(B, L, self.nkv, self.hd).transpose(1, 2)
-        v = (x @ p["midlayer.self_attn.v_proj.weight"].T).view(B, L, self.nkv, self.hd).transpose(1, 2)
-        q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
-        rep = self.nh // self.nkv
-        kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scale = self.hd ** -0.5
+        x = torch.cat([e, _rms(hidden, p["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
+        q, k, v, scale = self.qkv(x, pos)
         if first_kv is None:
-            att = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+            att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                   scale=scale)
         else:
             k1, v1 = first_kv
             s1 = (q @ k1.transpose(-1, -2)) * scale
             causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
             s1 = s1.masked_fill(~causal, float("-inf"))
             diag = [(q * kc).sum(-1, keepdim=True) * scale for kc, _ in chain_kv]
-            diag.append((q * kk).sum(-1, keepdim=True) * scale)
+            diag.append((q * k).sum(-1, keepdim=True) * scale)
             pr = torch.softmax(torch.cat([s1, *diag], dim=-1), dim=-1)
             att = pr[..., :L] @ v1
-            for m, (_, vc) in enumerate([*chain_kv, (None, vv)]):
+            for m, (_, vc) in enumerate([*chain_kv, (None, v)]):
                 att = att + pr[..., L + m:L + m + 1] * vc
-        att = att.transpose(1, 2).reshape(B, L, self.nh * self.hd) @ p["midlayer.self_attn.o_proj.weight"].T
-        s = att + resid
+        att = att.transpose(1, 2).reshape(B, L, -1) @ p["midlayer.self_attn.o_proj.weight"].T
+        s = att + hidden
         h2 = _rms(s, p["midlayer.post_attention_layernorm.weight"], self.eps)
         mlp = (torch.nn.functional.silu(h2 @ p["midlayer.mlp.gate_proj.weight"].T)
                * (h2 @ p["midlayer.mlp.up_proj.weight"].T)) @ p["midlayer.mlp.down_proj.weight"].T
         pre = mlp + s
         logits = _rms(pre, p["norm.weight"], self.eps) @ p["lm_head.weight"].T
-        return pre, logits, kk, vv
+        return pre, logits, k, v
+
+    def qkv(self, x, pos):
+        """The attention's q, k, v [B, heads, L, d] (k and v repeated to
+        every query head) from x = [embeds, hidden] [B, L, 2H], and its
+        softmax scale: Llama's GQA with rope."""
+        p = self.p
+        B, L, _ = x.shape
+        q = (x @ p["midlayer.self_attn.q_proj.weight"].T).view(B, L, self.nh, self.hd).transpose(1, 2)
+        k = (x @ p["midlayer.self_attn.k_proj.weight"].T).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        v = (x @ p["midlayer.self_attn.v_proj.weight"].T).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
+        rep = self.nh // self.nkv
+        return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), self.hd ** -0.5
 
     def unrolled_loss(self, toks, aux, mask):
         """toks [B, L] target tokens, aux [B, L, 3H], mask [B, L] (1 where the
@@ -206,11 +217,39 @@ class Drafter:
         return losses, accs
 
 
+# The k = 3 unrolled steps' losses weigh less the later the step.
+LOSS_WEIGHTS = (1.0, 0.8, 0.6)
+
+
+def fit(drafter: Drafter, toks, aux, mask, steps: int, lr: float = 3e-3,
+        batch: int = 16, seed: int = 0) -> None:
+    """Train ``drafter`` in place on every row of ``toks``/``aux``/``mask``
+    (no validation split: for the CPU examples and tests)."""
+    import torch
+
+    step = optimizer(drafter.params(), lr, steps)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, len(toks), (batch,), generator=gen)
+        losses, _ = drafter.unrolled_loss(toks[idx], aux[idx], mask[idx])
+        step(sum(w * x for w, x in zip(LOSS_WEIGHTS, losses)))
+
+
+def save(params: dict, weights: dict, path: Path) -> None:
+    """``params`` in the dtypes of the checkpoint ``weights`` they came from,
+    with its d2t/t2d, as ``path`` (a model.safetensors)."""
+    from safetensors.torch import save_file
+
+    new = {k: v.detach().to(weights[k].dtype).cpu().contiguous() for k, v in params.items()}
+    new["d2t"], new["t2d"] = weights["d2t"], weights["t2d"]
+    save_file(new, str(path), metadata={"format": "pt"})
+
+
 def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, device="cuda"):
     import shutil
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     data = torch.load(aux_path)
     keep = [i for i, a in enumerate(data["aux"]) if a is not None]
@@ -237,7 +276,7 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
         if step >= 0:
             idx = torch.randint(n_val, len(keep), (64,), device=device)
             losses, _ = d.unrolled_loss(toks[idx], aux[idx], mask[idx])
-            loss = sum(w * x for w, x in zip((1.0, 0.8, 0.6), losses))
+            loss = sum(w * x for w, x in zip(LOSS_WEIGHTS, losses))
             opt_step(loss)
         if step % 100 == 0 or step in (-1, steps - 1):
             with torch.no_grad():
@@ -256,9 +295,7 @@ def train(target_dir, drafter_dir, seqs, prompt_lens, aux_path, out_dir, steps, 
     for f in Path(drafter_dir).iterdir():
         if f.name != "model.safetensors":
             shutil.copy(f, out / f.name)
-    new = {k: v.to(weights[k].dtype).cpu().contiguous() for k, v in best[1].items()}
-    new["d2t"], new["t2d"] = weights["d2t"], weights["t2d"]
-    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save(best[1], weights, out / "model.safetensors")
     return {"steps": steps, "train_seconds": train_seconds, "sequences": len(keep),
             "seq_len": L, "val_sequences": n_val, "kept_step": log[best[2]]["step"],
             "kept_val_acc": log[best[2]]["val_acc"], "untrained_val_acc": log[0]["val_acc"],

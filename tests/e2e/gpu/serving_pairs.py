@@ -143,23 +143,17 @@ def _rope_interleaved(x, pos, inv, m: float):
 
 
 def mla_drafter_class():
-    """bench_eagle3.Drafter with vLLM's Eagle3DeepseekV2 draft layer: MLA
+    """training.Drafter with vLLM's Eagle3DeepseekV2 draft layer: MLA
     attention (q_a/q_b, kv_a_proj_with_mqa/kv_b, interleaved YaRN rope on
-    the rope part, YaRN's softmax temperature) over [embeds, hidden]; the
-    rest (norms, residual from the fused state, MLP, unrolled loss) is the
-    Llama drafter's."""
+    the rope part, YaRN's softmax temperature) over [embeds, hidden], in
+    place of ``qkv``; the rest (norms, chained attention, residual from the
+    fused state, MLP, unrolled loss) is the Llama drafter's."""
     import torch
 
     from tools.gpu_harness.training import Drafter, _rms
 
     class MLADrafter(Drafter):
-        def __init__(self, cfg, weights, embed, device):
-            self.cfg = cfg
-            self.p = {k: v.to(device).float().clone().requires_grad_(v.is_floating_point())
-                      for k, v in weights.items() if k not in ("d2t", "t2d")}
-            self.embed = embed.to(device).float()
-            self.eps = cfg["rms_norm_eps"]
-            self.nh = cfg["num_attention_heads"]
+        def init_attention(self, cfg, device):
             self.nope, self.rope, self.vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
             self.kv_lora = cfg["kv_lora_rank"]
             yarn = cfg.get("rope_scaling")
@@ -169,14 +163,10 @@ def mla_drafter_class():
             self.scale = (self.nope + self.rope) ** -0.5
             if yarn:
                 self.scale *= _yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
-            self.torch = torch
 
-        def layer(self, tok, hidden, pos, first_kv, chain_kv):
+        def qkv(self, x, pos):
             p, a = self.p, "midlayer.self_attn."
-            B, L, H = hidden.shape
-            e = _rms(self.embed[tok], p["midlayer.input_layernorm.weight"], self.eps)
-            resid = hidden
-            x = torch.cat([e, _rms(hidden, p["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
+            B, L, _ = x.shape
             q = _rms(x @ p[a + "q_a_proj.weight"].T, p[a + "q_a_layernorm.weight"], self.eps) \
                 @ p[a + "q_b_proj.weight"].T
             q = q.view(B, L, self.nh, self.nope + self.rope).transpose(1, 2)
@@ -185,28 +175,7 @@ def mla_drafter_class():
             k_nope, v = kv.view(B, L, self.nh, self.nope + self.vd).transpose(1, 2).split([self.nope, self.vd], -1)
             q = torch.cat([q[..., :self.nope], _rope_interleaved(q[..., self.nope:], pos, self.inv, self.rope_m)], -1)
             k_pe = _rope_interleaved(k_pe[:, None], pos, self.inv, self.rope_m).expand(B, self.nh, L, self.rope)
-            k = torch.cat([k_nope, k_pe], -1)
-            if first_kv is None:
-                att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            else:
-                k1, v1 = first_kv
-                s1 = (q @ k1.transpose(-1, -2)) * self.scale
-                causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-                s1 = s1.masked_fill(~causal, float("-inf"))
-                diag = [(q * kc).sum(-1, keepdim=True) * self.scale for kc, _ in chain_kv]
-                diag.append((q * k).sum(-1, keepdim=True) * self.scale)
-                pr = torch.softmax(torch.cat([s1, *diag], dim=-1), dim=-1)
-                att = pr[..., :L] @ v1
-                for m, (_, vc) in enumerate([*chain_kv, (None, v)]):
-                    att = att + pr[..., L + m:L + m + 1] * vc
-            att = att.transpose(1, 2).reshape(B, L, self.nh * self.vd) @ p[a + "o_proj.weight"].T
-            s_ = att + resid
-            h2 = _rms(s_, p["midlayer.post_attention_layernorm.weight"], self.eps)
-            mlp = (torch.nn.functional.silu(h2 @ p["midlayer.mlp.gate_proj.weight"].T)
-                   * (h2 @ p["midlayer.mlp.up_proj.weight"].T)) @ p["midlayer.mlp.down_proj.weight"].T
-            pre = mlp + s_
-            logits = _rms(pre, p["norm.weight"], self.eps) @ p["lm_head.weight"].T
-            return pre, logits, k, v
+            return q, torch.cat([k_nope, k_pe], -1), v, self.scale
 
     return MLADrafter
 
