@@ -39,11 +39,13 @@
 #          plain and with each drafter (served / refused at start / failed);
 #          backends-A,B runs only backends A and B (EAGLE3_BACKENDS)
 #   serving  tests/e2e/gpu/test_eagle3_serving.py: EAGLE-3 under serving conditions, both
-#          pairs side by side; serving-calibrate its calibrate case; serving-soak its soak
+#          pairs side by side (SERVING_K narrows the cases); serving-calibrate its calibrate
+#          case; serving-soak its soak
 #   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
 #          (without this stage, KERNELS=DIR or KERNELS=kernels-libs.tar.xz names
 #          an earlier build; setup refuses to run without one)
-# Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
+# Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out;
+# OUT_PACK=1 packs all but the results JSON and trained pairs into logs.tgz.
 # Stops before the 10-minute limit of one device call (BUDGET_S, default 570).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_harness_out}
@@ -154,17 +156,29 @@ for s in $STAGES; do
       # calibrate alone (its engines take 0.9 of the GPU) on the dsv3 pair,
       # trained again unless a serving stage of this call left it in
       # EAGLE3_SERVING_WORK; serving-soak: the 3-minute soak, pair after pair.
+      # Trained pairs travel: a carried .device/pairs/pair-NAME.tgz is
+      # unpacked instead of prepared again; a pair prepared here comes back
+      # as $OUT/pair-NAME.tgz (serving_pairs.py pack / unpack).
       export EAGLE3_SERVING_WORK=${EAGLE3_SERVING_WORK:-/tmp/eagle3_serving_work}
+      for t in .device/pairs/pair-*.tgz; do
+        [[ -f $t ]] || continue; n=$(basename "$t" .tgz); n=${n#pair-}
+        [[ -f $EAGLE3_SERVING_WORK/$n/pair.json ]] || python3 tests/e2e/gpu/serving_pairs.py unpack --tgz "$t" --work "$EAGLE3_SERVING_WORK/$n"
+      done
       P=(python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_serving.py)
       case $s in
         serving) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
-                   stage "serving-$p" ${SERVING_LIMIT_S:-540} "$OUT/serving-$p.log" "${P[@]}" -k "$p and not soak" &
+                   stage "serving-$p" ${SERVING_LIMIT_S:-540} "$OUT/serving-$p.log" "${P[@]}" -k "$p and (${SERVING_K:-not soak})" &
                  done; wait ;;
         serving-calibrate) stage "$s" ${CALIBRATE_LIMIT_S:-540} "$OUT/$s.log" "${P[@]}" -k calibrate ;;
         serving-soak) for p in ${SERVING_PAIRS:-dsv3 kimi}; do
                         stage "$s-$p" ${SOAK_LIMIT_S:-540} "$OUT/$s-$p.log" "${P[@]}" -k "soak and $p"
                       done ;;
       esac
+      for w in "$EAGLE3_SERVING_WORK"/*/; do
+        n=$(basename "$w")
+        [[ -f $w/pair.json && ! -f .device/pairs/pair-$n.tgz && ! -f $OUT/pair-$n.tgz ]] && \
+          python3 tests/e2e/gpu/serving_pairs.py pack --work "${w%/}" --out "$OUT/pair-$n.tgz"
+      done
       grep -hE "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT"/serving-*.log | tail -30 ;;
     kernels) ;;  # built above, before setup
     *) echo "unknown stage $s" ;;
@@ -177,4 +191,10 @@ for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log
 [[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
+# OUT_PACK=1: at most 8 files come back from a device call; all but the
+# results JSON and the trained pairs go into one logs.tgz.
+if [[ ${OUT_PACK:-0} == 1 ]]; then
+  (cd "$OUT" && tar czf /tmp/gpu_harness_logs.tgz --exclude 'pair-*.tgz' --exclude '*.json' . \
+     && find . -type f ! -name '*.json' ! -name 'pair-*.tgz' -delete && mv /tmp/gpu_harness_logs.tgz logs.tgz)
+fi
 exit 0

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Install the GPU harness on the lent device (run from the repository root):
 #   KERNELS=DIR|FILE.tar.xz bash tools/gpu_harness/device_setup.sh [SITE]   (default SITE=/tmp/site)
-# Needs the carried paths .device/whl and .device/vllm (tools/gpu_harness/prepare.py)
+# Needs the carried paths .device/whl (or .device/site) and .device/vllm (tools/gpu_harness/prepare.py)
 # and vLLM's own kernels built from the pinned sources (kernels.py build --out
 # DIR, or the kernels-libs.tar.xz it writes; device_run.sh kernels does both).
 # Afterwards PYTHONPATH=SITE gives: the carried wheels, vLLM 0.16.0's (patched)
@@ -18,8 +18,13 @@ if [[ -z ${KERNELS:-} ]]; then
        "(KERNELS=.device/kernels/kernels-libs.tar.xz)" >&2
   exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .device/whl/*.whl
+mkdir -p "$SITE"
+if [[ -f .device/site/site.tar.xz ]]; then  # prepare.py --site: the same wheels, unpacked
+  tar -xJf .device/site/site.tar.xz -C "$SITE"
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" .device/whl/*.whl
+fi
 # VLLM_TARBALL picks another staged tree (prepare.py --without PATCH).
 tar -xJf "${VLLM_TARBALL:-.device/vllm/vllm-py.tar.xz}" -C "$SITE"
 if [[ -f $KERNELS && $KERNELS == *.tar.xz ]]; then

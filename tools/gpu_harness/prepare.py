@@ -17,6 +17,12 @@
    manylinux x86_64, in ``.device/whl`` (downloaded with ``pip download
    --no-deps --only-binary=:all:`` when missing).
 
+3. With ``--site``, the same wheels unpacked as ``pip install --target``
+   lays them out and packed as ``.device/site/site.tar.xz`` (25 MiB instead
+   of 48: zip compresses file by file). Carry ``.device/site`` instead of
+   ``.device/whl`` to leave room for trained pairs (device_setup.sh unpacks
+   it when present).
+
 ``.device/`` is git-ignored; name ``.device/whl`` and ``.device/vllm`` in the
 device call's ``carry``, with ``.device/kernels`` (the kernel sources of
 ``kernels.py stage``, and the ``kernels-libs.tar.xz`` a build returns). The DSA
@@ -178,6 +184,34 @@ def stage_wheels(list_path: Path, whl_dir: Path, download: bool) -> list[Path]:
     return wanted
 
 
+def pack_site(wheels: list[Path], out: Path) -> Path:
+    """The wheels unpacked as ``pip install --no-deps --target`` does (a
+    wheel's ``*.data/purelib`` and ``platlib`` at the top; its scripts,
+    headers and data left out, as nothing imports them), one tar.xz."""
+    import shutil
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        site = Path(tmp) / "site"
+        for w in wheels:
+            with zipfile.ZipFile(w) as z:
+                z.extractall(site)
+        for data in site.glob("*.data"):
+            for lib in ("purelib", "platlib"):
+                if (data / lib).is_dir():
+                    shutil.copytree(data / lib, site, dirs_exist_ok=True)
+            shutil.rmtree(data)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # xz -T0: the stdlib's lzma packs 200 MB on one core.
+        tar = subprocess.Popen(["tar", "-C", str(site), "-cf", "-", "."], stdout=subprocess.PIPE)
+        with open(out, "wb") as f:
+            subprocess.run(["xz", "-T0", "-6"], stdin=tar.stdout, stdout=f, check=True)
+        if tar.wait() != 0:
+            raise SystemExit(f"tar of {site} failed")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stock", action="store_true", help="do not apply patches/series")
@@ -185,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-download", action="store_true")
     ap.add_argument("--without", metavar="PATCH",
                     help="also stage the series minus this patch (file name in patches/series)")
+    ap.add_argument("--site", action="store_true",
+                    help="also pack the wheels as .device/site/site.tar.xz (carry it instead of .device/whl)")
     args = ap.parse_args(argv)
 
     wheel, digest = find_wheel()
@@ -205,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = {
         ".device/vllm": sum(t.stat().st_size for t in [DEVICE_DIR / "vllm" / "vllm-py.tar.xz", *extra_tar]),
-        ".device/whl": sum(w.stat().st_size for w in wheels),
     }
+    if args.site:
+        sizes[".device/site"] = pack_site(wheels, DEVICE_DIR / "site" / "site.tar.xz").stat().st_size
+    else:
+        sizes[".device/whl"] = sum(w.stat().st_size for w in wheels)
     tracked = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"],
         cwd=REPO_ROOT, capture_output=True, check=True,

@@ -136,13 +136,22 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def steps_above(d: dict[str, Any], tokens: int) -> int:
-    """Engine steps that scheduled more than ``tokens`` tokens (iteration
-    histogram of a delta; ``tokens`` must be one of its bucket bounds)."""
-    le = str(float(tokens))
-    if le not in d["iteration_tokens_buckets"]:
-        raise KeyError(f"no histogram bucket at {tokens}: {sorted(d['iteration_tokens_buckets'])}")
-    return d["iteration_tokens_count"] - d["iteration_tokens_buckets"][le]
+# vLLM's own record of each engine step, logged with
+# --enable-logging-iteration-details (EngineCore.log_iteration_details):
+# the tokens the scheduler gave the step, split into context (prefill,
+# including every chunk of a chunked prompt) and generation. The
+# vllm:iteration_tokens_total histogram cannot show chunking: it observes a
+# prompt's whole length on the step its prefill completes.
+_ITERATION = (r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, "
+              r"(\d+) generation requests, (\d+) generation tokens")
+
+
+def iteration_details(text: str) -> list[dict[str, int]]:
+    """Every "Iteration(N): ..." line of a server log, in order."""
+    import re
+
+    keys = ("iteration", "context_requests", "context_tokens", "generation_requests", "generation_tokens")
+    return [dict(zip(keys, map(int, m))) for m in re.findall(_ITERATION, text)]
 
 
 def spec_counter_problems(d: dict[str, Any], k: int) -> list[str]:
@@ -434,8 +443,12 @@ class Server:
         import subprocess
         import time
 
+        import os
+
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        # Unbuffered: a case reads the engine's log lines of its own requests.
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._t0 = time.perf_counter()
         return self
 
@@ -460,6 +473,16 @@ class Server:
             return urllib.request.urlopen(self.base + "/health", timeout=2).status == 200
         except Exception:
             return False
+
+    def log_size(self) -> int:
+        import os
+
+        return os.path.getsize(self.log_path)
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
 
     def metrics_text(self) -> str:
         import urllib.request

@@ -6,6 +6,8 @@ so the test process starts none before vLLM spawns its engines):
 
     python tests/e2e/gpu/serving_pairs.py prepare --kind deepseek-v3 --work DIR
     python tests/e2e/gpu/serving_pairs.py reference --target VIEW --requests R.json --out REF.npz
+    python tests/e2e/gpu/serving_pairs.py pack --work DIR --out PAIR.tgz
+    python tests/e2e/gpu/serving_pairs.py unpack --tgz PAIR.tgz --work DIR
 
 ``prepare`` (production checkpoints: bf16, MLA with the published latent
 geometry):
@@ -30,6 +32,11 @@ kimi_k2), trained by bench_eagle3.train's loop with the MLA draft layer in
 place of the Llama one (MLADrafter).
 Everything lands in DIR with DIR/pair.json last (an existing pair.json is
 reused).
+
+``pack`` and ``unpack``: a prepared pair as one archive (the checkpoints
+pair.json names, ~11 MB), so that a later device call skips the ~4 minutes
+of preparing it; ``unpack`` into the same DIR (pair.json's paths are
+absolute) rebuilds the Kimi pair's transformers view from its INT4 target.
 
 ``reference``: for each request (prompt + the tokens an engine sampled),
 the target's logits at every sampled position in float64 (transformers,
@@ -293,6 +300,40 @@ def reference(view: Path, requests_path: Path, out: Path, temperature: float, to
     np.savez(out, **arrays)
 
 
+PACKED = ("target", "drafter_random", "drafter_trained", "mla_drafter")
+
+
+def pack(work: Path, out: Path) -> list[str]:
+    """pair.json and the checkpoints it names, but the view when it is not
+    the target (unpack rebuilds it) and the training data."""
+    import tarfile
+
+    info = json.loads((work / "pair.json").read_text())
+    dirs = sorted({Path(info[k]).relative_to(work) for k in PACKED if k in info})
+    with tarfile.open(out, "w:gz") as t:
+        t.add(work / "pair.json", "pair.json")
+        for d in dirs:
+            t.add(work / d, str(d))
+    return [str(d) for d in dirs]
+
+
+def unpack(tgz: Path, work: Path) -> dict:
+    import tarfile
+
+    with tarfile.open(tgz) as t:
+        info = json.loads(t.extractfile(next(m for m in t.getmembers()
+                                             if os.path.normpath(m.name) == "pair.json")).read())
+        if not Path(info["target"]).resolve().is_relative_to(work.resolve()):
+            raise SystemExit(f"{tgz}: its pair.json names {info['target']}; unpack it into the directory it "
+                             f"was prepared in (EAGLE3_SERVING_WORK/<pair>), not {work}")
+        work.mkdir(parents=True, exist_ok=True)
+        t.extractall(work, filter="data")
+    view = Path(info["view"])
+    if not view.exists():
+        h._tiny().kimi_text_view(info["target"], view)
+    return info
+
+
 def main(argv=None) -> None:
     global N_TRAIN, GEN_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -312,8 +353,18 @@ def main(argv=None) -> None:
     r.add_argument("--temperature", type=float, required=True)
     r.add_argument("--top-p", type=float, required=True)
     r.add_argument("--device", default="cuda")
+    k = sub.add_parser("pack")
+    k.add_argument("--work", type=Path, required=True)
+    k.add_argument("--out", type=Path, required=True)
+    u = sub.add_parser("unpack")
+    u.add_argument("--tgz", type=Path, required=True)
+    u.add_argument("--work", type=Path, required=True)
     a = ap.parse_args(argv)
-    if a.cmd == "prepare":
+    if a.cmd == "pack":
+        print("PACKED", a.out, pack(a.work, a.out), flush=True)
+    elif a.cmd == "unpack":
+        print("UNPACKED", a.work, unpack(a.tgz, a.work)["kind"], flush=True)
+    elif a.cmd == "prepare":
         N_TRAIN, GEN_TOKENS = a.n_train, a.gen_tokens
         rec = prepare(a.kind, a.work, a.target_steps, a.drafter_steps, a.device)
         print("PAIR", json.dumps({k: v for k, v in rec.items() if k != "drafter_training"}), flush=True)

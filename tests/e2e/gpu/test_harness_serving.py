@@ -194,9 +194,47 @@ def test_delta_and_derived_rates():
     assert d["prefix_cache_hit_rate"] == pytest.approx(800 / 900)
     assert d["mean_acceptance_length"] == pytest.approx(3.5)
     assert d["kv_cache_usage"] == 0.25
-    assert sh.steps_above(d, 2048) == 1 and sh.steps_above(d, 1024) == 5
-    with pytest.raises(KeyError):
-        sh.steps_above(d, 3000)
+    assert d["iteration_tokens_buckets"] == {"1024.0": 5, "2048.0": 9, "4096.0": 10}
+
+
+def test_iteration_details_reads_the_line_vllm_logs():
+    """The line comes from vLLM's own EngineCore.log_iteration_details (what
+    the server logs with --enable-logging-iteration-details), for a step with
+    a new request's chunk, a later chunk of another, and a decode."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("vllm.v1.engine.core")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        core = SimpleNamespace(vllm_config=SimpleNamespace(
+            observability_config=SimpleNamespace(enable_logging_iteration_details=True)))
+        for chunk in (2044, 2048):
+            sched = SimpleNamespace(
+                num_scheduled_tokens={"new": chunk, "chunked": 2048 - chunk - 4 if chunk < 2048 else 0,
+                                      "decoding": 4},
+                scheduled_new_reqs=[SimpleNamespace(req_id="new")],
+                scheduled_cached_reqs=SimpleNamespace(is_context_phase=lambda r: r == "chunked"))
+            with EngineCore.log_iteration_details(core, sched):
+                pass
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    text = "INFO 12-03 22:31:35 [core.py:365] " + "\nINFO [core.py:365] ".join(records) + "\n"
+    steps = sh.iteration_details(text)
+    assert [(s["iteration"], s["context_requests"], s["context_tokens"], s["generation_requests"],
+             s["generation_tokens"]) for s in steps] == [(0, 2, 2044, 1, 4), (1, 2, 2048, 1, 4)]
+    assert sh.iteration_details("no step lines here") == []
 
 
 # --- requests ------------------------------------------------------------------
@@ -327,3 +365,45 @@ def test_mla_drafter_trains_through_the_bench_loop(tmp_path):
     assert [r["step"] for r in log] == [-1, 0, 2]
     assert all(math.isfinite(r["train_loss"]) for r in log[1:])
     assert log[-1]["val_loss"] != log[0]["val_loss"]
+
+
+# --- trained pairs that travel between device calls (serving_pairs.py) ---------
+
+
+def test_a_packed_kimi_pair_unpacks_with_its_view_rebuilt(tmp_path):
+    """pack keeps pair.json and the checkpoints it names but the view;
+    unpack into the same work dir rebuilds the view from the INT4 target,
+    byte-equal to the one prepare wrote; elsewhere it refuses, naming the dir."""
+    import json
+    import shutil
+    import tarfile
+
+    from safetensors.torch import load_file
+
+    import int4_check
+    import serving_pairs as sp
+    from gpu_e2e_helpers import MLA_GEOMETRY
+    from tiny_checkpoints import kimi_text_view, write_checkpoint, write_kimi_k25_int4
+
+    work = tmp_path / "kimi"
+    write_checkpoint("kimi-k25", work / "bf16", seed=7, dtype="bfloat16", **MLA_GEOMETRY)
+    write_kimi_k25_int4(work / "bf16", work / "int4", int4_check.published_quantization_config())
+    kimi_text_view(work / "int4", work / "view")
+    (work / "drafter").mkdir()
+    (work / "drafter" / "config.json").write_text("{}")
+    (work / "aux.pt").write_bytes(b"training data")
+    info = {"kind": "kimi-k25-int4", "target": str(work / "int4"), "view": str(work / "view"),
+            "mla_drafter": str(work / "drafter")}
+    (work / "pair.json").write_text(json.dumps(info))
+    before = load_file(str(work / "view" / "model.safetensors"))
+
+    sp.pack(work, tmp_path / "pair.tgz")
+    names = {n.split("/")[0] for n in tarfile.open(tmp_path / "pair.tgz").getnames()}
+    assert names == {"pair.json", "int4", "drafter"}
+    shutil.rmtree(work)
+    assert sp.unpack(tmp_path / "pair.tgz", work)["kind"] == "kimi-k25-int4"
+    after = load_file(str(work / "view" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(SystemExit, match="unpack it into the directory it was prepared in"):
+        sp.unpack(tmp_path / "pair.tgz", tmp_path / "elsewhere")
+    assert not (tmp_path / "elsewhere").exists()
