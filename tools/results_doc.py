@@ -306,6 +306,51 @@ def _fulldepth_readme(d: dict) -> str:
         " at batch 1 / 8 / 32, acceptance length 3.0, from measured 61-layer steps (ranges in docs/results.md)")
 
 
+def _p(p: float) -> str:
+    return f"{p:.3g}" if p > 0 else "< 1e-300"  # a chi-square tail below float64's range
+
+
+def _serving_al(case: dict) -> str:
+    """Mean acceptance length under the condition, and in the clean run."""
+    return f"{f2(case['counters']['mean_acceptance_length'])} (clean {f2(case['clean_eagle3']['mean_acceptance_length'])})"
+
+
+def _serving(d: dict) -> list[tuple[str, str]]:
+    h, c, p, a, s = (d[k] for k in ("prefix_cache_hit_rate", "chunked_prefill", "preemption", "aborts", "sampling"))
+    rows = [("outcome", d["outcome"]), ("what it does not show", d["limits"])]
+    for key, name in (("prefix_caching", "prefix caching, shared prompt"),
+                      ("prefix_caching_conversation", "prefix caching, 3-turn conversation"),
+                      ("chunked_prefill", "chunked prefill"), ("preemption", "preemption")):
+        rows.append((f"{name}: greedy output equal to plain; acceptance length (clean run)",
+                     f"{agree(d[key]['agreement_with_plain'])}; {_serving_al(d[key])}"))
+    rows += [
+        ("prefix-cache hit rate, shared prompt / conversation (vllm:prefix_cache_hits / queries)",
+         f"{f2(h['shared_prompt'])} / {f2(h['conversation'])}"),
+        ("chunked prefill: prompt tokens; steps scheduling context; largest step (vLLM's per-step log)",
+         f"{' + '.join(map(str, c['workload']['prompt_tokens']))}; {c['context_steps']}; {c['max_step_tokens']} tokens"),
+        ("preemption: vllm:num_preemptions / requests; finished (vllm:request_success)",
+         f"{p['counters']['num_preemptions']} / {p['requests']}; {p['counters']['request_success']['length']}"),
+        ("aborts: streaming clients, disconnected; server healthy; KV cache usage after",
+         f"{a['clients']}, {len(a['disconnected'])}; {'yes' if a['server_healthy'] else 'no'}; "
+         f"{pct(a['kv_cache_usage_after'])}"),
+    ]
+    for run, name in (("eagle3", "EAGLE-3"), ("plain", "plain"), ("accept_every_draft", "every draft accepted")):
+        t = s[run]["test"]
+        rows.append((f"sampling at T {s['settings']['temperature']}, top-p {s['settings']['top_p']}: {name}, "
+                     f"p-value against the float64 target over {t['positions']} tokens", _p(t["p_value"])))
+    return rows
+
+
+def _serving_readme(d: dict) -> str:
+    h, s = d["prefix_cache_hit_rate"], d["sampling"]
+    return (f"greedy output equal and acceptance within 0.05 of a clean run under prefix caching (hit rate "
+            f"{f2(h['hit_rate'])}), chunked prefill ({d['chunked_prefill']['context_steps']} steps of at most "
+            f"{d['chunked_prefill']['max_step_tokens']} tokens), preemption "
+            f"({pct(d['preemption']['preempted_share'])} of requests) and {len(d['aborts']['disconnected'])} of "
+            f"{d['aborts']['clients']} clients disconnecting; sampling follows the target (p "
+            f"{s['eagle3']['test']['p_value']:.2f}; with every draft accepted, p {_p(s['accept_every_draft']['test']['p_value'])})")
+
+
 def _replay(d: dict) -> list[tuple[str, str]]:
     return [(f"aux ids {k}", v) for k, v in d["results"].items()]
 
@@ -375,6 +420,14 @@ CLAIMS = [
           "parallelism and long contexts",
           "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --out DIR", _fulldepth,
           _fulldepth_readme),
+    Claim("serving-dsv3", "Serving conditions: DeepSeek-V3-shaped target, Llama drafter",
+          "2026-12-03_h200_serving_deepseek_v3_llama.json",
+          f"{BUILT}; production settings; the OpenAI server with prefix caching, chunked prefill 2048 and a "
+          "12,288-token KV cache, against clean offline runs",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_serving.py -k 'dsv3 and not soak'", _serving, _serving_readme),
+    Claim("serving-kimi", "Serving conditions: Kimi-K2.5 INT4 (Marlin MoE), MLA drafter",
+          "2026-12-03_h200_serving_kimi_k25_int4_mla.json", f"{BUILT}; as above",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_serving.py -k 'kimi and not soak'", _serving, _serving_readme),
     Claim("speed", "EAGLE-3 speed-up on the tiny pair, k = 3, 128 tokens, prefill timed apart",
           "2026-12-02_h200_speed_built_kernels.json", f"{BUILT}; production settings",
           "python tools/gpu_harness/speed.py --artifacts A --out DIR", _speed, _speed_readme),
