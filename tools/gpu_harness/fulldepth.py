@@ -10,8 +10,10 @@ One rank's share of every layer of the published config (project.py's
 weights (``load_format="dummy"``), vLLM's production settings: bf16, the
 backend vLLM picks, torch.compile and CUDA graphs (FULL_AND_PIECEWISE), async
 scheduling as vLLM 0.16 defaults it unless ``--async-scheduling`` says
-otherwise. Kimi-K2.5 INT4's experts must run on Marlin MoE and the target on
-an MLA backend, or the run stops: the step times would not be the model's.
+otherwise. Kimi-K2.5 INT4's experts must run on Marlin MoE, DeepSeek-V3's
+fp8 release (``--model deepseek-v3-fp8``) in fp8 (its facts name the GEMM of
+each linear shape, DeepGEMM or Triton, and the MoE backend), and the target
+on an MLA backend, or the run stops: the step times would not be the model's.
 
 ``run`` starts one engine per entry of ``--engines`` (plain, llama, mla), in
 that order, and in each times ``--gen-tokens`` greedy tokens at every batch of
@@ -65,7 +67,7 @@ def configs(model: str, engines: list[str], layers: int, work: Path) -> dict[str
     spec = pj.MODELS[model]
     if unknown := [e for e in engines if e != "plain" and e not in spec["drafters"]]:
         raise ValueError(f"{model} has no drafter {unknown}: plain or one of {sorted(spec['drafters'])}")
-    tcfg = pj.geometry(pj.published_target(spec["target"]), layers)
+    tcfg = pj.target_geometry(model, layers)
     if spec.get("moe_method") == "Marlin" and not pj.marlin_moe_supports(tcfg):
         raise ValueError(f"{model} at {layers} layers: Marlin MoE cannot take this rank's experts")
     (work / "target").mkdir(parents=True, exist_ok=True)
@@ -161,6 +163,9 @@ def run(model: str, engines: list[str], out: Path, batches=DEFAULT_BATCHES, repe
                 raise RuntimeError(f"the target runs {target_backends}, not an MLA backend")
             if pj.MODELS[model].get("moe_method") == "Marlin" and not pj._is_marlin(row["facts"].get("moe", {})):
                 raise RuntimeError(f"the INT4 experts run {row['facts'].get('moe')}, not Marlin MoE")
+            if pj.MODELS[model].get("weights") == "fp8" and not pj.serves_fp8(row["facts"]):
+                raise RuntimeError(f"the fp8 target is not served in fp8: {row['facts'].get('moe')}, "
+                                   f"{row['facts'].get('fp8_linear')}")
             prompts = {b: [{"prompt_token_ids": [7 + i] * 16} for i in range(b)] for b in batches}
             for b in batches:  # warm-up: first replays, allocator
                 llm.generate(prompts[b], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -47,8 +47,8 @@ plain step and a verify step pay about equally (both are latency-bound at
 these token counts), so adding it moves the speed-up toward the acceptance
 length, and leaving it out understates the speed-up. The same holds for
 Kimi-K2.5. It also leaves out expert parallelism, the fp8 weights of the
-DeepSeek release (bf16 here) and the scheduler's own per-step cost at 8
-ranks.
+DeepSeek release (bf16 in ``deepseek-v3``; ``deepseek-v3-fp8`` keeps them)
+and the scheduler's own per-step cost at 8 ranks.
 
 Time: each engine start costs about 40-60 s on an H200 (plain and the Llama
 drafter at three layer counts, six engines, took 377 s in call 37). The
@@ -87,6 +87,19 @@ MODELS = {
         "default_drafters": ["llama"],
         "default_layers": [4, 6, 8],  # the first 3 layers are dense
         "prof_tokens": 16,
+    },
+    # The DeepSeek release as published: every linear and expert weight fp8
+    # (e4m3, 128 x 128 blocks, the config's quantization_config). Which kernels
+    # serve it depends on the build: engine_facts records the fp8 GEMM of each
+    # linear shape (DeepGEMM or vLLM's Triton fallback) and the MoE backend.
+    "deepseek-v3-fp8": {
+        "target": "deepseek-r1-0528-target-ttmetal",
+        "drafters": {"llama": "specforge-deepseek-v3-671b-eagle3",
+                     "mla": "specforge-deepseek-r1-eagle3-mla"},
+        "default_drafters": ["llama"],
+        "default_layers": [4, 6, 8],
+        "prof_tokens": 16,
+        "weights": "fp8",
     },
     "kimi-k25-int4": {
         "target": "moonshotai-kimi-k25-target",
@@ -137,9 +150,11 @@ def published_target(name: str) -> dict:
     return text
 
 
-def geometry(target: dict, layers: int) -> dict:
+def geometry(target: dict, layers: int, fp8: bool = False) -> dict:
     """One rank's share of a DeepSeek-V3-architecture target at TP = 8, with
-    ``layers`` layers (the first ``first_k_dense_replace`` dense, as published)."""
+    ``layers`` layers (the first ``first_k_dense_replace`` dense, as published).
+    bf16 but an INT4 release's routed experts, or with ``fp8`` the published
+    fp8 quantization_config kept as it is."""
     cfg = dict(target)
     dense = cfg.get("first_k_dense_replace", 0)
     if layers <= dense:
@@ -151,9 +166,17 @@ def geometry(target: dict, layers: int) -> dict:
                vocab_size=_shard(cfg["vocab_size"], "vocab_size"), num_nextn_predict_layers=0)
     # bf16 everywhere but the routed experts of an INT4 release (see the docstring).
     q = cfg.get("quantization_config")
-    if q and q.get("quant_method") != "compressed-tensors":
+    if fp8 and (q or {}).get("quant_method") != "fp8":
+        raise ValueError(f"fp8 asked for, but the published config's quantization_config is {q}")
+    if q and q.get("quant_method") != "compressed-tensors" and not fp8:
         cfg.pop("quantization_config")
     return cfg
+
+
+def target_geometry(model: str, layers: int) -> dict:
+    """MODELS[model]'s per-rank target at ``layers`` layers."""
+    spec = MODELS[model]
+    return geometry(published_target(spec["target"]), layers, fp8=spec.get("weights") == "fp8")
 
 
 def marlin_moe_supports(target: dict) -> bool:
@@ -365,6 +388,14 @@ def _is_marlin(moe: dict) -> bool:
     return "Marlin" in method and moe.get("kernel_backend") in (None, "Marlin")
 
 
+def serves_fp8(facts: dict) -> bool:
+    """Whether an engine's facts (engine_facts) show fp8 weights served: the
+    experts by vLLM's Fp8MoEMethod and some linear through an fp8 block GEMM."""
+    moe, linear = facts.get("moe", {}), facts.get("fp8_linear") or {}
+    return ((moe.get("wrapped") or moe.get("quant_method")) == "Fp8MoEMethod"
+            and bool(linear) and "error" not in linear)
+
+
 def _write(res: dict, out: Path) -> None:
     (out / f"project_{res['model']}.json").write_text(json.dumps(res, indent=1))
 
@@ -397,7 +428,6 @@ def run(model: str, layer_counts: list[int] | None, out: Path, drafters: list[st
     os.environ["EAGLE3_GPU_PROFILE"] = "production"
     h.configure_env()
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the step ranges step_breakdown splits at
-    target = published_target(spec["target"])
     work = Path(tempfile.mkdtemp(prefix=f"project-{model}-"))
     # Every config first: a geometry the drafter or Marlin cannot take stops
     # the run before the first engine, not after several.
@@ -406,7 +436,7 @@ def run(model: str, layer_counts: list[int] | None, out: Path, drafters: list[st
         published = json.loads((PUBLISHED / spec["drafters"][kind] / "config.json").read_text())
         engines.append((DRAFTER_KEYS[kind], kind, published))
     for L in layer_counts:
-        tcfg = geometry(target, L)
+        tcfg = target_geometry(model, L)
         if spec.get("moe_method") == "Marlin" and not marlin_moe_supports(tcfg):
             raise ValueError(f"{model} at {L} layers: Marlin MoE cannot take this rank's experts")
         (work / f"target_L{L}").mkdir(parents=True)
@@ -464,6 +494,9 @@ def run(model: str, layer_counts: list[int] | None, out: Path, drafters: list[st
                 if spec.get("moe_method") == "Marlin" and not _is_marlin(facts.get("moe", {})):
                     raise RuntimeError(f"the INT4 experts run {facts['moe']}, not Marlin MoE: these step "
                                        f"times would not be {model}'s as vLLM serves it on Hopper")
+                if spec.get("weights") == "fp8" and not serves_fp8(facts):
+                    raise RuntimeError(f"the fp8 target is not served in fp8 ({facts.get('moe')}, "
+                                       f"{facts.get('fp8_linear')}): these step times would not be {model}'s")
                 for b in batches:
                     prompts = [{"prompt_token_ids": [7 + i] * 16} for i in range(b)]
                     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

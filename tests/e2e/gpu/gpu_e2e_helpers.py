@@ -247,11 +247,36 @@ def moe_layer_facts(name: str, layer) -> dict[str, Any]:
     # expert parallelism) wraps the method chosen; its class name alone would
     # hide Marlin.
     inner = getattr(qm, "old_quant_method", None)
+    fp8 = getattr(inner or qm, "fp8_backend", None)  # Fp8MoEMethod: DEEPGEMM, TRITON, ...
     return {"layer": name, "quant_method": type(qm).__name__,
             "wrapped": None if inner is None else type(inner).__name__,
             # CompressedTensorsWNA16MarlinMoEMethod also runs FlashInfer's
             # MxInt4 kernels (SM100 only): the class alone does not say.
-            "kernel_backend": getattr(inner or qm, "kernel_backend", None)}
+            "kernel_backend": getattr(inner or qm, "kernel_backend", None),
+            "fp8_backend": None if fp8 is None else getattr(fp8, "name", str(fp8))}
+
+
+def fp8_linear_facts(model) -> dict[str, list[str]]:
+    """Which GEMM serves each fp8 block-quantized linear shape (N x K), as
+    W8A8BlockFp8LinearOp.apply picks it for bf16 activations: DeepGEMM where
+    should_use_deepgemm_for_fp8_linear holds, else the op it dispatched at
+    init (_run_cutlass, which this harness's kernel build leaves out and so
+    fails by name, or _run_triton)."""
+    import torch
+    from vllm.utils.deep_gemm import should_use_deepgemm_for_fp8_linear
+
+    paths: dict[str, set[str]] = {}
+    for _, m in model.named_modules():
+        op = getattr(getattr(m, "quant_method", None), "w8a8_block_fp8_linear", None)
+        if op is None or not hasattr(m, "weight"):
+            continue
+        w = m.weight
+        if should_use_deepgemm_for_fp8_linear(torch.bfloat16, w, op.is_deep_gemm_supported):
+            path = "deep_gemm"
+        else:
+            path = getattr(op.w8a8_blockscale_op, "__name__", type(op.w8a8_blockscale_op).__name__)
+        paths.setdefault(path, set()).add(f"{w.shape[0]}x{w.shape[1]}")
+    return {p: sorted(v) for p, v in sorted(paths.items())}
 
 
 def _worker_facts(worker) -> dict[str, Any]:
@@ -275,10 +300,15 @@ def _worker_facts(worker) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - a fact, not a check
         moe = [f"unknown ({type(e).__name__}: {e})"]
         first_moe = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        fp8_linear = fp8_linear_facts(mr.get_model())
+    except Exception as e:  # noqa: BLE001 - a fact, not a check
+        fp8_linear = {"error": [f"{type(e).__name__}: {e}"]}
     return {
         "attention_backends": {k: sorted(v) for k, v in backends.items()},
         "moe_quant_methods": moe,
         "moe": first_moe,  # the target's first MoE layer (the drafters have none)
+        "fp8_linear": fp8_linear,  # {GEMM: [N x K shapes]}; empty without fp8 block weights
         "cudagraph_mode": str(mr.compilation_config.cudagraph_mode),
         "target_dispatcher_mode": str(getattr(mr.cudagraph_dispatcher, "cudagraph_mode", None)),
         "drafter_dispatcher_mode": None if disp is None else str(disp.cudagraph_mode),

@@ -46,7 +46,7 @@ def test_summary_without_plain_gives_no_speedup():
     assert "speedup" not in fulldepth.summarize(res)["8"]["eagle3"]
 
 
-@pytest.mark.parametrize("model", ["kimi-k25-int4", "deepseek-v3"])
+@pytest.mark.parametrize("model", ["kimi-k25-int4", "deepseek-v3", "deepseek-v3-fp8"])
 def test_61_layer_configs(tmp_path, model):
     d = fulldepth.configs(model, ["plain", "llama", "mla"], 61, tmp_path)
     assert d["plain"] is None
@@ -58,6 +58,8 @@ def test_61_layer_configs(tmp_path, model):
         assert len(set(ids)) == 3 and max(ids) <= 61
     if model == "kimi-k25-int4":
         assert t["quantization_config"]["quant_method"] == "compressed-tensors"
+    if model == "deepseek-v3-fp8":
+        assert t["quantization_config"]["weight_block_size"] == [128, 128]
 
 
 def test_unknown_engine_refused(tmp_path):

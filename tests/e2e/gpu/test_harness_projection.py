@@ -256,13 +256,13 @@ def test_vllm_takes_every_rank_config(model, tmp_path):
     spec = project.MODELS[model]
     classes = {"llama": "Eagle3LlamaForCausalLM", "mla": "Eagle3DeepseekV2ForCausalLM"}
     for layers in spec["default_layers"]:
-        t = project.geometry(project.published_target(spec["target"]), layers)
+        t = project.target_geometry(model, layers)
         (tmp_path / f"t{layers}").mkdir()
         (tmp_path / f"t{layers}" / "config.json").write_text(json.dumps(t))
         target = ModelConfig(model=str(tmp_path / f"t{layers}"), skip_tokenizer_init=True, dtype="bfloat16",
                              max_model_len=1024)
         assert target.use_mla and target.hf_text_config.num_attention_heads == t["num_attention_heads"]
-        assert target.quantization == ("compressed-tensors" if model == "kimi-k25-int4" else None)
+        assert target.quantization == {"kimi-k25-int4": "compressed-tensors", "deepseek-v3-fp8": "fp8"}.get(model)
         for kind, name in spec["drafters"].items():
             d = project.DRAFTER_GEOMETRY[kind](_cfg(name), t, project.aux_ids(layers))
             path = tmp_path / f"{kind}{layers}"
@@ -518,6 +518,66 @@ def test_engine_facts_name_the_first_moe_layers_method(monkeypatch):
     facts = h._worker_facts(worker(lambda: model))
     assert facts["moe_quant_methods"] == ["CompressedTensorsWNA16MarlinMoEMethod", "FusedMoEModularMethod"]
     assert facts["moe"] == {"layer": "layers.1.experts", "quant_method": "FusedMoEModularMethod",
-                            "wrapped": "CompressedTensorsWNA16MarlinMoEMethod", "kernel_backend": "Marlin"}
+                            "wrapped": "CompressedTensorsWNA16MarlinMoEMethod", "kernel_backend": "Marlin",
+                            "fp8_backend": None}
+    assert facts["fp8_linear"] == {}
     assert project._is_marlin(facts["moe"])
     assert h._worker_facts(worker(torch.nn.Module))["moe"] == {"layer": None}
+
+
+# ---------------------------------------------------------------- DeepSeek-V3's fp8 release
+
+
+def test_fp8_model_keeps_the_published_quantization_config():
+    published = _cfg("deepseek-r1-0528-target-ttmetal")["quantization_config"]
+    assert published == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                         "weight_block_size": [128, 128]}
+    fp8, bf16 = project.target_geometry("deepseek-v3-fp8", 61), project.target_geometry("deepseek-v3", 61)
+    assert fp8["quantization_config"] == published and "quantization_config" not in bf16
+    assert {k: v for k, v in fp8.items() if k != "quantization_config"} == bf16
+    # Every sharded dimension an fp8 GEMM sees is whole 128-blocks, as at TP = 8.
+    for dim in (fp8["moe_intermediate_size"], fp8["intermediate_size"], fp8["hidden_size"],
+                fp8["num_attention_heads"] * (fp8["qk_nope_head_dim"] + fp8["qk_rope_head_dim"]),
+                fp8["num_attention_heads"] * fp8["v_head_dim"]):
+        assert dim % 128 == 0, dim
+    with pytest.raises(ValueError, match="fp8 asked for"):
+        project.geometry(project.published_target(KIMI), 4, fp8=True)
+
+
+def test_fp8_linear_facts_follow_vllms_deepgemm_rule():
+    """Which GEMM engine_facts names for a shape: vLLM's own
+    should_use_deepgemm_for_fp8_linear (N % 64, K % 128), else the op the
+    layer's W8A8BlockFp8LinearOp dispatched."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import gpu_e2e_helpers as h
+
+    def _run_triton(*a):  # W8A8BlockFp8LinearOp's Triton path is its bound method of this name
+        raise AssertionError("not called")
+
+    def linear(n, k, deep_gemm):
+        m = torch.nn.Module()
+        m.weight = torch.nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
+        m.quant_method = SimpleNamespace(w8a8_block_fp8_linear=SimpleNamespace(
+            is_deep_gemm_supported=deep_gemm, w8a8_blockscale_op=_run_triton))
+        return m
+
+    for deep_gemm in (True, False):
+        model = torch.nn.Module()
+        model.a, model.b, model.c = linear(2048, 7168, deep_gemm), linear(576, 7168, deep_gemm), linear(96, 7168, deep_gemm)
+        model.plain = torch.nn.Linear(4, 4)
+        facts = h.fp8_linear_facts(model)
+        if deep_gemm:
+            assert facts == {"deep_gemm": ["2048x7168", "576x7168"], "_run_triton": ["96x7168"]}
+        else:
+            assert facts == {"_run_triton": ["2048x7168", "576x7168", "96x7168"]}
+
+
+def test_serves_fp8_needs_fp8_experts_and_an_fp8_gemm():
+    good = {"moe": {"quant_method": "Fp8MoEMethod", "fp8_backend": "TRITON"}, "fp8_linear": {"deep_gemm": ["1x1"]}}
+    assert project.serves_fp8(good)
+    assert not project.serves_fp8({**good, "moe": {"quant_method": "UnquantizedFusedMoEMethod"}})
+    assert not project.serves_fp8({**good, "fp8_linear": {}})
+    assert not project.serves_fp8({**good, "fp8_linear": {"error": ["ImportError: x"]}})
