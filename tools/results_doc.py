@@ -295,6 +295,11 @@ def _fulldepth(d: dict) -> list[tuple[str, str]]:
             rows.append((f"batch {b}: {name}, speed-up at acceptance length 2.5 / 3.0 / 3.5 (range)",
                          slash(f"{f2(e['speedup'][a]['median'])}x ({f2(e['speedup'][a]['low'])}-"
                                f"{f2(e['speedup'][a]['high'])})" for a in ("2.5", "3.0", "3.5"))))
+            # Where EAGLE-3 stops paying: the acceptance length at which its
+            # step, AL tokens, costs what AL plain steps cost.
+            rows.append((f"batch {b}: {name}, break-even acceptance length (EAGLE-3 wall / plain wall, range)",
+                         f"{f2(e['wall_ms'] / p['wall_ms'])} ({f2(e['wall_min_ms'] / p['wall_max_ms'])}-"
+                         f"{f2(e['wall_max_ms'] / p['wall_min_ms'])})"))
     return rows
 
 
