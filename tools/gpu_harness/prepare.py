@@ -242,9 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {
         ".device/vllm": sum(t.stat().st_size for t in [DEVICE_DIR / "vllm" / "vllm-py.tar.xz", *extra_tar]),
     }
+    site = DEVICE_DIR / "site" / "site.tar.xz"
     if args.site:
-        sizes[".device/site"] = pack_site(wheels, DEVICE_DIR / "site" / "site.tar.xz").stat().st_size
+        sizes[".device/site"] = pack_site(wheels, site).stat().st_size
     else:
+        # device_setup.sh prefers a carried site archive: never leave one
+        # older than the wheels just staged.
+        site.unlink(missing_ok=True)
         sizes[".device/whl"] = sum(w.stat().st_size for w in wheels)
     tracked = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"],
