@@ -158,14 +158,7 @@ def run(model: str, engines: list[str], out: Path, batches=DEFAULT_BATCHES, repe
         row = res["engines"].setdefault(key, {"start_s": time.perf_counter() - t0, "batches": {}})
         try:
             row["facts"] = {**h.engine_facts(llm), **_scheduler_facts(llm)}
-            target_backends = row["facts"].get("attention_backends", {}).get("target", [])
-            if not any("MLA" in b for b in target_backends):
-                raise RuntimeError(f"the target runs {target_backends}, not an MLA backend")
-            if pj.MODELS[model].get("moe_method") == "Marlin" and not pj._is_marlin(row["facts"].get("moe", {})):
-                raise RuntimeError(f"the INT4 experts run {row['facts'].get('moe')}, not Marlin MoE")
-            if pj.MODELS[model].get("weights") == "fp8" and not pj.serves_fp8(row["facts"]):
-                raise RuntimeError(f"the fp8 target is not served in fp8: {row['facts'].get('moe')}, "
-                                   f"{row['facts'].get('fp8_linear')}")
+            pj.check_served(model, row["facts"])
             prompts = {b: [{"prompt_token_ids": [7 + i] * 16} for i in range(b)] for b in batches}
             for b in batches:  # warm-up: first replays, allocator
                 llm.generate(prompts[b], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

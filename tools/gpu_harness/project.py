@@ -396,6 +396,23 @@ def serves_fp8(facts: dict) -> bool:
             and bool(linear) and "error" not in linear)
 
 
+def check_served(model: str, facts: dict) -> None:
+    """Stop a timing run whose engine (engine_facts) does not serve ``model``
+    as vLLM does on Hopper: the target on an MLA backend, an INT4 release's
+    experts on Marlin MoE, an fp8 release in fp8."""
+    spec = MODELS[model]
+    target_backends = facts.get("attention_backends", {}).get("target", [])
+    if not any("MLA" in b for b in target_backends):
+        raise RuntimeError(f"the target runs {target_backends}, not an MLA backend: these step "
+                           f"times would not be {model}'s (is VLLM_MLA_DISABLE set?)")
+    if spec.get("moe_method") == "Marlin" and not _is_marlin(facts.get("moe", {})):
+        raise RuntimeError(f"the INT4 experts run {facts.get('moe')}, not Marlin MoE: these step "
+                           f"times would not be {model}'s as vLLM serves it on Hopper")
+    if spec.get("weights") == "fp8" and not serves_fp8(facts):
+        raise RuntimeError(f"the fp8 target is not served in fp8 ({facts.get('moe')}, "
+                           f"{facts.get('fp8_linear')}): these step times would not be {model}'s")
+
+
 def _write(res: dict, out: Path) -> None:
     (out / f"project_{res['model']}.json").write_text(json.dumps(res, indent=1))
 
@@ -487,16 +504,7 @@ def run(model: str, layer_counts: list[int] | None, out: Path, drafters: list[st
             try:
                 facts = h.engine_facts(llm)  # its "moe": the first MoE layer's method
                 res.setdefault("engine", {})[key] = facts
-                target_backends = facts.get("attention_backends", {}).get("target", [])
-                if not any("MLA" in b for b in target_backends):
-                    raise RuntimeError(f"the target runs {target_backends}, not an MLA backend: these step "
-                                       f"times would not be {model}'s (is VLLM_MLA_DISABLE set?)")
-                if spec.get("moe_method") == "Marlin" and not _is_marlin(facts.get("moe", {})):
-                    raise RuntimeError(f"the INT4 experts run {facts['moe']}, not Marlin MoE: these step "
-                                       f"times would not be {model}'s as vLLM serves it on Hopper")
-                if spec.get("weights") == "fp8" and not serves_fp8(facts):
-                    raise RuntimeError(f"the fp8 target is not served in fp8 ({facts.get('moe')}, "
-                                       f"{facts.get('fp8_linear')}): these step times would not be {model}'s")
+                check_served(model, facts)
                 for b in batches:
                     prompts = [{"prompt_token_ids": [7 + i] * 16} for i in range(b)]
                     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -41,7 +41,6 @@ GAUGES = {
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 REQUEST_SUCCESS = "vllm:request_success"
-ITERATION_TOKENS = "vllm:iteration_tokens_total"
 
 
 def _empty() -> dict[str, Any]:
@@ -49,8 +48,6 @@ def _empty() -> dict[str, Any]:
     out.update({v: 0.0 for v in GAUGES.values()})
     out["accepted_per_position"] = []
     out["request_success"] = {}
-    out["iteration_tokens_buckets"] = {}
-    out["iteration_tokens_count"] = 0
     return out
 
 
@@ -73,11 +70,6 @@ def counters_from_llm_metrics(metrics: Iterable[Any]) -> dict[str, Any]:
         elif m.name == REQUEST_SUCCESS:
             reason = m.labels.get("finished_reason", "?")
             out["request_success"][reason] = out["request_success"].get(reason, 0) + int(m.value)
-        elif m.name == ITERATION_TOKENS:
-            for le, n in m.buckets.items():
-                out["iteration_tokens_buckets"][str(float(le))] = (
-                    out["iteration_tokens_buckets"].get(str(float(le)), 0) + int(n))
-            out["iteration_tokens_count"] += int(m.count)
     return out
 
 
@@ -103,13 +95,6 @@ def counters_from_prometheus(text: str) -> dict[str, Any]:
                     out["request_success"][reason] = out["request_success"].get(reason, 0) + int(s.value)
             elif fam.type == "gauge" and name in GAUGES:
                 out[GAUGES[name]] += float(s.value)
-            elif fam.name == ITERATION_TOKENS or fam.name + "_total" == ITERATION_TOKENS or \
-                    name.startswith(ITERATION_TOKENS):
-                if name.endswith("_bucket"):
-                    le = str(float(s.labels["le"]))
-                    out["iteration_tokens_buckets"][le] = out["iteration_tokens_buckets"].get(le, 0) + int(s.value)
-                elif name.endswith("_count"):
-                    out["iteration_tokens_count"] += int(s.value)
     if per_pos:
         out["accepted_per_position"] = [per_pos.get(i, 0) for i in range(max(per_pos) + 1)]
     return out
@@ -127,9 +112,6 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     d["accepted_per_position"] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
     d["request_success"] = {r: n - before["request_success"].get(r, 0)
                             for r, n in after["request_success"].items()}
-    d["iteration_tokens_buckets"] = {le: n - before["iteration_tokens_buckets"].get(le, 0)
-                                     for le, n in after["iteration_tokens_buckets"].items()}
-    d["iteration_tokens_count"] = after["iteration_tokens_count"] - before["iteration_tokens_count"]
     d["mean_acceptance_length"] = (1 + d["num_accepted_tokens"] / d["num_drafts"]) if d["num_drafts"] else None
     d["prefix_cache_hit_rate"] = (d["prefix_cache_hits"] / d["prefix_cache_queries"]
                                   if d["prefix_cache_queries"] else None)
@@ -440,10 +422,9 @@ class Server:
 
     def launch(self) -> Server:
         """Start the process and return (its start-up overlaps other work)."""
+        import os
         import subprocess
         import time
-
-        import os
 
         self._log = open(self.log_path, "w")
         # Unbuffered: a case reads the engine's log lines of its own requests.

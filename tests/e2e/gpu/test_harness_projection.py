@@ -581,3 +581,11 @@ def test_serves_fp8_needs_fp8_experts_and_an_fp8_gemm():
     assert not project.serves_fp8({**good, "moe": {"quant_method": "UnquantizedFusedMoEMethod"}})
     assert not project.serves_fp8({**good, "fp8_linear": {}})
     assert not project.serves_fp8({**good, "fp8_linear": {"error": ["ImportError: x"]}})
+    # What fulldepth.run and project.run call on each engine's facts.
+    mla = {"attention_backends": {"target": ["FLASH_ATTN_MLA"]}}
+    project.check_served("deepseek-v3-fp8", {**good, **mla})
+    project.check_served("deepseek-v3", {**mla, "moe": {"quant_method": "UnquantizedFusedMoEMethod"}})
+    with pytest.raises(RuntimeError, match="not served in fp8"):
+        project.check_served("deepseek-v3-fp8", {**mla, "moe": {"quant_method": "UnquantizedFusedMoEMethod"}})
+    with pytest.raises(RuntimeError, match="not an MLA backend"):
+        project.check_served("deepseek-v3-fp8", {**good, "attention_backends": {"target": ["TRITON_ATTN"]}})

@@ -188,13 +188,10 @@ def test_delta_and_derived_rates():
     after.update(prefix_cache_queries=1000, prefix_cache_hits=850, num_drafts=10, num_accepted_tokens=25,
                  accepted_per_position=[10, 9, 6], kv_cache_usage=0.25)
     before.update(prefix_cache_queries=100, prefix_cache_hits=50)
-    after["iteration_tokens_buckets"] = {"1024.0": 5, "2048.0": 9, "4096.0": 10}
-    after["iteration_tokens_count"] = 10
     d = sh.delta(before, after)
     assert d["prefix_cache_hit_rate"] == pytest.approx(800 / 900)
     assert d["mean_acceptance_length"] == pytest.approx(3.5)
     assert d["kv_cache_usage"] == 0.25
-    assert d["iteration_tokens_buckets"] == {"1024.0": 5, "2048.0": 9, "4096.0": 10}
 
 
 def test_iteration_details_reads_the_line_vllm_logs():
