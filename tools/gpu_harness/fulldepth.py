@@ -250,7 +250,8 @@ def main(argv=None) -> int:
     r.add_argument("--prof-tokens", type=int, default=12)
     r.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default")
     r.add_argument("--disable-by-batch-size", type=int, default=None,
-                   help="speculative_config.disable_by_batch_size for the EAGLE-3 engines")
+                   help="speculative_config.disable_by_batch_size for the EAGLE-3 engines "
+                        "(the series refuses it; patches/proposed/disable-by-batch-size.mbox implements it)")
     r.add_argument("--budget-s", type=float, default=None,
                    help="start no engine that the longest so far would carry past this many seconds")
     r.add_argument("--tag", default="", help="appended to the result file's name")

@@ -308,6 +308,23 @@ def drafter_attention_backend() -> str:
             "not --attention-backend")
 
 
+@check("Spec-Decode-Refuse-disable_by_batch_size-which-V1-ig")
+def disable_by_batch_size_refused() -> str:
+    from vllm.config import SpeculativeConfig
+
+    config = object.__new__(SpeculativeConfig)
+    for name, value in dict(tensor_parallel_size=None, num_speculative_tokens=3,
+                            draft_model_config=None, disable_by_batch_size=8,
+                            method="ngram", target_model_config=None).items():
+        object.__setattr__(config, name, value)
+    try:
+        config._verify_args()
+    except ValueError as e:
+        assert "disable_by_batch_size" in str(e), e
+        return "refuses disable_by_batch_size, which the V1 engine ignores"
+    raise AssertionError("accepts disable_by_batch_size, which the V1 engine ignores")
+
+
 def run(drafter: str | None = None, target: str | None = None) -> int:
     """Print the report; the exit status (0 every patch present and vllm the
     installed one, 1 a patch missing or vllm imported from a source tree, 2
