@@ -45,7 +45,7 @@ OUTSIDE = "(outside runner ranges)"
 TOP_KERNELS = 15
 
 
-def step_breakdown(trace: dict) -> dict:
+def step_breakdown(trace: dict, phases: bool = True) -> dict:
     """A worker trace of vLLM's torch profiler, broken down two ways.
 
     ``ranges``: per runner range (RUNNER_RANGES), the CPU wall time and the
@@ -56,7 +56,8 @@ def step_breakdown(trace: dict) -> dict:
     execute range is followed by another, the first and last dropped), the
     median period, execute and after-execute time, GPU kernel time per
     period, the share of the period the GPU ran kernels, and the graph
-    replays and eager launches per step inside execute and after it."""
+    replays and eager launches per step inside execute and after it; with
+    ``phases``, also phase_breakdown's phases and top kernels over them."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     # The profiler mirrors each range on the GPU timeline
     # (gpu_user_annotation); only the host's is the range.
@@ -98,7 +99,7 @@ def step_breakdown(trace: dict) -> dict:
     if rows:
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         med["gpu_busy_fraction"] = sum(r["gpu_kernel_ms"] for r in rows) / sum(r["period_ms"] for r in rows)
-        res["steps"] = {"count": len(rows), "median": med, **phase_breakdown(events, periods)}
+        res["steps"] = {"count": len(rows), "median": med, **(phase_breakdown(events, periods) if phases else {})}
     return res
 
 
