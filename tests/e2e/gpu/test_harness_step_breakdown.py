@@ -297,3 +297,32 @@ def test_gpu_work_without_its_launch_is_reported_not_attributed():
 def test_ranges_leave_out_the_profilers_gpu_mirror():
     got = step_trace.step_breakdown(_eagle_trace().doc())["ranges"]
     assert got["forward"]["count"] == 5 and got["forward"]["cpu_ms"] == pytest.approx(1.5)
+
+
+def test_a_real_trace_splits_the_draft_range_at_each_argmax(tmp_path):
+    """torch.profiler's own trace (CPU only): the draft range of each step
+    splits into three passes and a tail that tile it exactly, each pass
+    ending where the profiler's aten::argmax ends."""
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(5):
+            with record_function(f"{step_trace.STEP_RANGE}0(0)_generation_{i}(1)"):
+                with record_function("gpu_model_runner: forward"):
+                    x = (x @ x).tanh()
+            with record_function("gpu_model_runner: draft"):
+                for _ in range(3):
+                    (x @ x).argmax(dim=-1)
+                torch.stack([x, x])
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    ph = step_trace.step_breakdown(trace)["steps"]["phases"]
+    assert list(ph) == ["forward", "draft pass 1", "draft pass 2", "draft pass 3", "draft tail", step_trace.OUTSIDE]
+    events = trace["traceEvents"]
+    drafts = sorted((e for e in events if e.get("name") == "gpu_model_runner: draft"), key=lambda e: e["ts"])[1:4]
+    argmax = sorted((e for e in events if e.get("name") == "aten::argmax"), key=lambda e: e["ts"])[3:12]
+    # medians over the three kept steps of what the profiler wrote
+    first = [(a["ts"] + a["dur"] - d["ts"]) / 1000 for d, a in zip(drafts, argmax[0::3])]
+    tail = [(d["ts"] + d["dur"] - a["ts"] - a["dur"]) / 1000 for d, a in zip(drafts, argmax[2::3])]
+    assert ph["draft pass 1"]["host_ms"] == pytest.approx(sorted(first)[1], abs=1e-6)
+    assert ph["draft tail"]["host_ms"] == pytest.approx(sorted(tail)[1], abs=1e-6)
