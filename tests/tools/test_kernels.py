@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tools/gpu_harness/kernels.py on CPU: the pins match what the sdist's CMake
-fetches, the subset names sources the sdist has, and the registration and
+"""tools/gpu_harness/kernels.py on CPU: every source the build compiles is a
+pinned registry artifact (the sdist, the nvidia-cutlass wheel) with its sha256,
+no git snapshot is pinned, the subset names sources the sdist has, and the registration and
 Marlin-selector trimming keep upstream's text except what is not built.
 The build itself needs nvcc and a GPU machine (docs/gpu.md)."""
 
@@ -19,48 +20,97 @@ from stack_tooling import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "tools" / "gpu_harness"))
 import kernels  # noqa: E402
 
-PIN = tomllib.loads((REPO_ROOT / "pin.toml").read_text())["kernel_sources"]
+PIN = tomllib.loads((REPO_ROOT / "pin.toml").read_text())
+
+# The git snapshots the harness built from before it took registry sources
+# only: CUTLASS v4.2.1 and the commit flash-attention's submodule pinned,
+# vLLM's flash-attention fork, DeepGEMM and fmt. None may come back.
+_GIT_SNAPSHOTS = ("f3fde58372d33e9a5650ba7b80fc48b3b49d40c8", "62750a2b75c802660e4894434dc55e839f322277",
+                  "188be16520ceefdc625fdf71365585d2ee348fe2", "477618cd51baffca09c4b0b87e97c03fe827ef03",
+                  "553ec11ec06fbe0beebfbb45f9dc3c9eabd83d28")
 
 
-def test_pins_are_what_the_sdist_cmake_fetches(pristine_tree: Path):
-    cmake = (pristine_tree / "CMakeLists.txt").read_text()
-    assert re.search(r'set\(CUTLASS_REVISION "([^"]+)"\)', cmake).group(1) == PIN["cutlass"]["rev"]
-    fa = (pristine_tree / "cmake/external_projects/vllm_flash_attn.cmake").read_text()
-    assert re.search(r"GIT_TAG (\w+)", fa).group(1) == PIN["flash-attention"]["commit"]
-    install = (pristine_tree / "tools/install_deepgemm.sh").read_text()
-    assert re.search(r'^DEEPGEMM_GIT_REF="(\w+)"', install, re.M).group(1) == PIN["deepgemm"]["commit"]
-    for spec in PIN.values():
-        assert re.fullmatch(r"[0-9a-f]{40}", spec["commit"]) and re.fullmatch(r"[0-9a-f]{64}", spec["sha256"])
+def test_no_git_snapshot_in_the_pins_tools_or_docs():
+    """pin.toml, tools/ and the docs name no commit of those repositories,
+    short or long, and no git clone; a results file may record them as
+    history (what an earlier build used)."""
+    files = [REPO_ROOT / "pin.toml", REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md",
+             *(REPO_ROOT / "docs").glob("*.md"),
+             *(p for p in (REPO_ROOT / "tools").rglob("*") if p.is_file() and "results" not in p.parts
+               and p.suffix in (".py", ".sh", ".cmake", ".txt", ".md", ".toml"))]
+    found = []
+    for f in files:
+        if f.name == "results.md":  # rendered from the results files: their history
+            continue
+        text = f.read_text()
+        found += [f"{f.relative_to(REPO_ROOT)}: {c[:8]}" for c in _GIT_SNAPSHOTS if c[:8] in text]
+        found += [f"{f.relative_to(REPO_ROOT)}: git clone" for _ in re.findall(
+            r"git clone https://github\.com/(?:NVIDIA/cutlass|vllm-project/flash-attention|deepseek-ai/DeepGEMM|fmtlib/fmt)",
+            text, re.I)]
+    assert not found
+    assert "kernel_sources" not in PIN
 
 
-def _repo_with_gitlinks(root: Path, links: dict[str, str]) -> str:
-    def git(*a):
-        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, check=True).stdout.strip()
-    root.mkdir()
-    git("init", "-q")
-    for path, sha in links.items():
-        git("update-index", "--add", "--cacheinfo", f"160000,{sha},{path}")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "gitlinks")
-    return git("ls-tree", "HEAD", "--", *kernels.DEEPGEMM_SUBMODULES)
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> Path:
+    """kernels.py stage into a scratch directory: the verified sdist's subset
+    and the pinned nvidia-cutlass wheel, fetched through pip's index."""
+    out = tmp_path_factory.mktemp("staged")
+    old = kernels.STAGE_DIR
+    kernels.STAGE_DIR = out
+    try:
+        assert kernels.stage(None) == 0
+    finally:
+        kernels.STAGE_DIR = old
+    return out
 
 
-def test_deepgemm_submodules_must_be_the_pinned_commits(tmp_path: Path):
-    """stage reads DeepGEMM's own tree: its third-party/cutlass and
-    third-party/fmt gitlinks must be the commits of the archives built in
-    their place (a git repository with those gitlinks, as git writes them)."""
-    pinned = {"third-party/cutlass": PIN["cutlass"]["commit"], "third-party/fmt": PIN["fmt"]["commit"]}
-    kernels.check_gitlinks(_repo_with_gitlinks(tmp_path / "ok", pinned), PIN)
-    other = dict(pinned, **{"third-party/fmt": "0" * 39 + "1"})
-    with pytest.raises(kernels.StackError, match=r"third-party/fmt at 0+1, pin.toml \[kernel_sources.fmt\]"):
-        kernels.check_gitlinks(_repo_with_gitlinks(tmp_path / "moved", other), PIN)
-    with pytest.raises(kernels.StackError, match="third-party/cutlass at None"):
-        kernels.check_gitlinks(_repo_with_gitlinks(tmp_path / "none", {"third-party/fmt": pinned["third-party/fmt"]}),
-                               PIN)
+def test_every_build_source_is_a_pinned_registry_artifact(staged: Path):
+    """What build unpacks is exactly what stage wrote: the sdist subset (its
+    digest recorded from the sdist pin.toml verifies) and artifacts pin.toml
+    names with their sha256; nothing else travels."""
+    import hashlib
+
+    sources = __import__("json").loads((staged / "sources.json").read_text())
+    arts = {a["filename"]: a for a in PIN["artifacts"].values()}
+    assert set(sources) == {"vllm-src", PIN["artifacts"][kernels.CUTLASS_ARTIFACT]["filename"]}
+    for name, digest in sources.items():
+        if name == "vllm-src":
+            continue
+        assert arts[name]["sha256"] == digest == hashlib.sha256((staged / name).read_bytes()).hexdigest()
+    assert {p.name for p in staged.iterdir()} == {"sources.json", "vllm-src.tar.xz", *sources} - {"vllm-src"}
 
 
-def test_deepgemm_build_refuses_a_missing_compiler(tmp_path: Path):
-    with pytest.raises(kernels.StackError, match="--deepgemm-cxx /nonexistent/g\\+\\+ does not exist"):
-        kernels._start_deepgemm(tmp_path, PIN, "/nonexistent/g++", tmp_path / "log")
+def test_build_unpacks_cutlass_headers_and_refuses_a_changed_wheel(staged: Path, tmp_path: Path):
+    dirs = kernels.unpack_cutlass(tmp_path / "cutlass", staged)
+    assert set(dirs) == {"CUTLASS_INCLUDE_DIR", "CUTLASS_TOOLS_UTIL_INCLUDE_DIR"}
+    version = (dirs["CUTLASS_INCLUDE_DIR"] / "cutlass" / "version.h").read_text()
+    assert re.search(r"#define CUTLASS_MAJOR 4\b", version) and re.search(r"#define CUTLASS_MINOR 2\b", version)
+    # What the harness's entry files include (csrc/cutlass_extensions/common.hpp).
+    assert (dirs["CUTLASS_INCLUDE_DIR"] / "cutlass" / "cutlass.h").is_file()
+    assert (dirs["CUTLASS_TOOLS_UTIL_INCLUDE_DIR"] / "cutlass" / "util" / "device_memory.h").is_file()
+    # A wheel that is not the pinned one is refused before anything is unpacked.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    name = PIN["artifacts"][kernels.CUTLASS_ARTIFACT]["filename"]
+    (bad / name).write_bytes((staged / name).read_bytes() + b"\0")
+    with pytest.raises(kernels.StackError, match=r"pin.toml \[artifacts.nvidia-cutlass\] says"):
+        kernels.unpack_cutlass(tmp_path / "other", bad)
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(kernels.StackError, match="kernels.py stage"):
+        kernels.unpack_cutlass(tmp_path / "none", tmp_path / "empty")
+
+
+def test_build_refuses_a_changed_sdist_subset(staged: Path, tmp_path: Path):
+    import shutil
+
+    assert kernels._unpack_sdist(tmp_path / "ok", staged)
+    assert (tmp_path / "ok" / "csrc" / "torch_bindings.cpp").is_file()
+    other = tmp_path / "other"
+    shutil.copytree(staged, other)
+    (other / "sources.json").write_text('{"vllm-src": "' + "0" * 64 + '"}')
+    with pytest.raises(kernels.StackError, match="sources.json"):
+        kernels._unpack_sdist(tmp_path / "no", other)
 
 
 def test_subset_names_sources_the_sdist_lists(pristine_tree: Path):
@@ -130,9 +180,9 @@ def test_marlin_selector_keeps_the_built_variant(pristine_tree: Path, tmp_path: 
 
 def _fake_vllm(root: Path) -> Path:
     """A CMake project shaped like vLLM's: targets defined with the flags
-    define_extension_target gives them, one more target whose sources are
-    absent (FlashMLA's), and a subproject (flash-attention) with a project()."""
-    for f in ("a.cpp", "b.cpp", "torch_bindings.cpp", "sub/c.cpp", "sub/d.cpp"):
+    define_extension_target gives them, and one more target whose sources are
+    absent (FlashMLA's)."""
+    for f in ("a.cpp", "b.cpp", "torch_bindings.cpp", "c.cpp", "d.cpp"):
         (root / f).parent.mkdir(parents=True, exist_ok=True)
         (root / f).write_text("int f_%s() { return 0; }\n" % Path(f).stem)
     (root / "CMakeLists.txt").write_text(
@@ -140,9 +190,7 @@ def _fake_vllm(root: Path) -> Path:
         "add_library(_C MODULE a.cpp b.cpp torch_bindings.cpp)\n"
         "target_compile_options(_C PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-DKEEP=1;-DENABLE_SCALED_MM_SM90=1;-DTAIL=2>)\n"
         "add_library(_flashmla_C MODULE ${CMAKE_SOURCE_DIR}/not/fetched.cu.cpp)\n"
-        "add_subdirectory(sub)\n")
-    (root / "sub" / "CMakeLists.txt").write_text(
-        "project(vllm_flash_attn LANGUAGES CXX)\nadd_library(_vllm_fa3_C MODULE c.cpp d.cpp)\n")
+        "add_library(_moe_C MODULE c.cpp d.cpp)\n")
     return root
 
 
@@ -150,14 +198,11 @@ def _configure(src: Path, build: Path, keep_c: str, *extra: str):
     swap = src / "torch_bindings_subset.cpp"
     swap.write_text("int subset() { return 0; }\n")
     (build.parent / "placeholder.cpp").write_text("\n")
-    (build.parent / "stub.cpp").write_text("\n")
     return subprocess.run(
         ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", *extra,
-         f"-DCMAKE_PROJECT_INCLUDE={kernels.HOOK}", "-DEAGLE3_KERNEL_TARGETS=_C;_vllm_fa3_C",
-         f"-DEAGLE3_KERNEL_SRCS__C={keep_c};torch_bindings.cpp", "-DEAGLE3_KERNEL_SRCS__vllm_fa3_C=d.cpp",
+         f"-DCMAKE_PROJECT_INCLUDE={kernels.HOOK}", "-DEAGLE3_KERNEL_TARGETS=_C;_moe_C",
+         f"-DEAGLE3_KERNEL_SRCS__C={keep_c};torch_bindings.cpp", "-DEAGLE3_KERNEL_SRCS__moe_C=d.cpp",
          f"-DEAGLE3_KERNEL_SWAP__C=torch_bindings.cpp={swap}",
-         "-DEAGLE3_KERNEL_DEFS__vllm_fa3_C=FLASHATTENTION_DISABLE_FP8",
-         f"-DEAGLE3_KERNEL_EXTRA__vllm_fa3_C={build.parent / 'stub.cpp'}",
          f"-DEAGLE3_KERNEL_PLACEHOLDER={build.parent / 'placeholder.cpp'}"],
         capture_output=True, text=True)
 
@@ -171,12 +216,9 @@ def test_cmake_hook_trims_targets_as_vllm_defines_them(tmp_path: Path):
     cmds = json.loads((tmp_path / "build" / "compile_commands.json").read_text())
     by_file = {Path(c["file"]).name: c["command"] for c in cmds}
     # _C: the kept source and the generated bindings, not b.cpp or upstream's bindings.
-    assert {"a.cpp", "torch_bindings_subset.cpp", "d.cpp", "stub.cpp", "placeholder.cpp"} == set(by_file)
+    assert {"a.cpp", "torch_bindings_subset.cpp", "d.cpp", "placeholder.cpp"} == set(by_file)
     assert "-DKEEP=1" in by_file["a.cpp"] and "-DTAIL=2" in by_file["a.cpp"]
     assert "ENABLE_SCALED_MM_SM90" not in by_file["a.cpp"]
-    assert "-DFLASHATTENTION_DISABLE_FP8" in by_file["d.cpp"]
-    # The generated source joins its target with the target's switches.
-    assert "-DFLASHATTENTION_DISABLE_FP8" in by_file["stub.cpp"]
 
 
 def _ninja() -> str:
@@ -198,17 +240,17 @@ def _start_order(tmp_path: Path, *extra: str) -> list[str]:
     assert r.returncode == 0, r.stdout + r.stderr
     first = [a.split("=", 1)[1] for a in extra if a.startswith("-DEAGLE3_KERNEL_FIRST=")]
     first = first[0].split(";") if first else []
-    targets = [f"eagle3_first_{t}" if t in first else t for t in ("_C", "_vllm_fa3_C")]
+    targets = [f"eagle3_first_{t}" if t in first else t for t in ("_C", "_moe_C")]
     dry = subprocess.run([ninja, "-C", str(tmp_path / "build"), "-n", "-j16", *targets],
                          capture_output=True, text=True, check=True).stdout
-    return [m.group(1) for m in re.finditer(r"Building CXX object (?:sub/)?CMakeFiles/(\w+)\.dir/", dry)]
+    return [m.group(1) for m in re.finditer(r"Building CXX object CMakeFiles/(\w+)\.dir/", dry)]
 
 
 def test_cmake_hook_starts_the_first_targets_objects_first(tmp_path: Path):
     # vLLM defines _C first, so ninja starts its objects first...
-    assert _start_order(tmp_path / "plain") == ["_C"] * 3 + ["_vllm_fa3_C"] * 2
-    # ...unless its chain puts FA3's (and the stub's) ahead.
-    assert _start_order(tmp_path / "first", "-DEAGLE3_KERNEL_FIRST=_vllm_fa3_C") == ["_vllm_fa3_C"] * 2 + ["_C"] * 3
+    assert _start_order(tmp_path / "plain") == ["_C"] * 3 + ["_moe_C"]
+    # ...unless its chain puts Marlin MoE's target ahead.
+    assert _start_order(tmp_path / "first", "-DEAGLE3_KERNEL_FIRST=_moe_C") == ["_moe_C"] + ["_C"] * 3
 
 
 def test_cmake_hook_refuses_a_source_the_cmake_does_not_list(tmp_path: Path):
@@ -216,63 +258,3 @@ def test_cmake_hook_refuses_a_source_the_cmake_does_not_list(tmp_path: Path):
     r = _configure(src, tmp_path / "build", "gone.cpp")
     assert r.returncode != 0
     assert "_C has no source ending in gone.cpp" in r.stdout + r.stderr
-
-
-# Two of flash-attention 188be16's instantiation files, verbatim
-# (hopper/instantiations/, written by its generate_kernels.py).
-_FA_FILES = {
-    "hopper/instantiations/flash_fwd_hdim64_256_bf16_sm90.cu": """\
-// Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao.
-// Splitting the different template instantiations to different files to speed up compilation.
-// This file is auto-generated. See "generate_kernels.py"
-
-#include "flash_fwd_launch_template.h"
-
-#ifndef FLASHATTENTION_DISABLE_HDIM64
-template void run_mha_fwd_<90, cutlass::bfloat16_t, 64, 256, false, false, false, false>(Flash_fwd_params &params, cudaStream_t stream);
-#endif
-""",
-    "hopper/instantiations/flash_fwd_hdim192_bf16_paged_split_sm90.cu": """\
-// Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao.
-// Splitting the different template instantiations to different files to speed up compilation.
-// This file is auto-generated. See "generate_kernels.py"
-
-#include "flash_fwd_launch_template.h"
-
-#ifndef FLASHATTENTION_DISABLE_HDIM192
-template void run_mha_fwd_<90, cutlass::bfloat16_t, 192, 192, true, true, false, true>(Flash_fwd_params &params, cudaStream_t stream);
-#endif
-""",
-}
-
-
-def test_fa3_stub_specialises_exactly_what_the_left_out_files_instantiate():
-    out = kernels.fa3_stub_source(_FA_FILES)
-    specs = re.findall(r"template <> void (run_mha_fwd_<[^>]*>)\(Flash_fwd_params &params, cudaStream_t stream\)", out)
-    assert specs == ["run_mha_fwd_<90, cutlass::bfloat16_t, 64, 256, false, false, false, false>",
-                     "run_mha_fwd_<90, cutlass::bfloat16_t, 192, 192, true, true, false, true>"]
-    # Each under its file's own switch, and each raising with the shape and the fix.
-    assert out.count("#ifndef FLASHATTENTION_DISABLE_HDIM64") == 1 == out.count("#ifndef FLASHATTENTION_DISABLE_HDIM192")
-    assert ("head dim 192 / value dim 192 (cutlass::bfloat16_t, split=true, paged=true" in out
-            and "add flash_fwd_hdim192_bf16_paged_split_sm90.cu to SUBSET" in out)
-    assert '#include "flash.h"' in out
-
-
-def test_fa3_stub_refuses_a_file_it_cannot_read():
-    text = _FA_FILES["hopper/instantiations/flash_fwd_hdim64_256_bf16_sm90.cu"]
-    with pytest.raises(kernels.StackError, match="found 2"):
-        kernels.fa3_stub_source({"x.cu": text + text.split("\n\n", 2)[2]})
-    with pytest.raises(kernels.StackError, match="found 0"):
-        kernels.fa3_stub_source({"x.cu": "#include <x>\n"})
-
-
-def test_fa3_built_and_stubbed_files_are_disjoint_and_cover_the_dispatch():
-    built = {f for f in kernels.SUBSET["_vllm_fa3_C"] if "/instantiations/" in f}
-    stubbed = set(kernels.FA3_NOT_BUILT)
-    assert not built & stubbed
-    # flash_api.cpp's bf16 dispatch under the kept switches (HDIM64, 128, 192;
-    # no softcap, fp16, fp8, 96, 256): 64, 64_256, 64_512, 128, 192, 192_128,
-    # each plain, paged, split and paged-split.
-    names = {re.search(r"hdim(\w+?)_bf16", f).group(1) for f in built | stubbed}
-    assert names == {"64", "64_256", "64_512", "128", "192", "192_128"}
-    assert len(built | stubbed) == 24

@@ -10,7 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_harness_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 bash tools/gpu_harness/device_setup.sh /tmp/site >"$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
 for s in "$@"; do
   mkdir -p "$OUT/$s"

@@ -3,7 +3,7 @@
 # The whole GPU harness run on the lent device, from the repository root:
 #   bash tools/gpu_harness/device_run.sh [STAGE...]
 # Stages (default: ops e2e bench): setup always runs first.
-#   ops    the built DeepGEMM and the FlashMLA stand-ins (tests/e2e/gpu/test_harness_dsa_ops.py;
+#   ops    the DeepGEMM and FlashMLA stand-ins (tests/e2e/gpu/test_harness_dsa_ops.py;
 #          OPS_K narrows them with pytest -k)
 #   e2e    pytest -m gpu tests/e2e/gpu (results JSON under $OUT/results); if it
 #          fails inside torch.compile it is rerun once with TORCHDYNAMO_DISABLE=1
@@ -56,6 +56,10 @@ STAGES=${*:-ops e2e bench}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export PYTHONUNBUFFERED=1 EAGLE3_STACK_VARIANT=${EAGLE3_STACK_VARIANT:-gpu-harness}
+# The kernels are built from registry sources only (kernels.py): no
+# FlashAttention-3, so MLA prefill on Hopper goes to FlashInfer (fi_prefill.py),
+# whose JIT-compiled modules land under FLASHINFER_WORKSPACE_BASE.
+export EAGLE3_HARNESS_FI_PREFILL=${EAGLE3_HARNESS_FI_PREFILL:-1} FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 export EAGLE3_GPU_RESULTS_DIR="$OUT/results"
 SITE=/tmp/site
 export PYTHONPATH="$SITE"
@@ -77,8 +81,8 @@ stage() {  # stage NAME MAX_SECONDS LOG CMD...
 # libraries and kernels.json also go to $OUT. KERNELS=DIR reuses a build.
 KERNELS_OUT=${KERNELS_OUT:-.device/kernels/out}
 if [[ " $STAGES " == *" kernels "* ]]; then
-  # 480 s: the cold build took 309 s in H200 call 35 (430-445 s in calls 23
-  # and 31, before the long objects were started first).
+  # 480 s: the cold build with FA3 and DeepGEMM took 291-309 s; Marlin MoE's
+  # one object (about 270 s) sets the wall time of this one.
   stage kernels ${KERNELS_LIMIT_S:-480} "$OUT/kernels.log" python3 tools/gpu_harness/kernels.py build --out "$KERNELS_OUT"
   rc=$?
   cp "$KERNELS_OUT/kernels-build.log" "$OUT/" 2>/dev/null

@@ -6,10 +6,13 @@
 # and vLLM's own kernels built from the pinned sources (kernels.py build --out
 # DIR, or the kernels-libs.tar.xz it writes; device_run.sh kernels does both).
 # Afterwards PYTHONPATH=SITE gives: the carried wheels, vLLM 0.16.0's (patched)
-# Python files with the built _C, _moe_C and _vllm_fa3_C laid out as in the
-# wheel, DeepGEMM where the build has it, the DSA start-up hook and the
-# xgrammar import placeholder. Nothing is
-# installed into the image.
+# Python files with the built _C and _moe_C laid out as in the wheel,
+# FlashInfer (a carried wheel; it compiles its kernels with the image's nvcc
+# on first use, into FLASHINFER_WORKSPACE_BASE, which a carried
+# .device/fi-jit/fi-jit.tar.xz fills ahead), the harness's start-up hook
+# (harness_sitecustomize.py: the DSA stand-ins, FlashInfer MLA prefill on
+# Hopper) and the xgrammar import placeholder. Nothing is installed into the
+# image.
 set -euo pipefail
 SITE=${1:-/tmp/site}
 if [[ -z ${KERNELS:-} ]]; then
@@ -33,14 +36,17 @@ if [[ -f $KERNELS && $KERNELS == *.tar.xz ]]; then
 fi
 [[ -f $KERNELS/kernels.json ]] || { echo "KERNELS=$KERNELS holds no kernels.json: run kernels.py build" >&2; exit 1; }
 cp -r "$KERNELS/vllm/." "$SITE/vllm/"
-# DeepGEMM, which kernels.py builds beside vLLM's ops. A build from before
-# it was added lacks it; the DSA tests then skip, naming kernels.py.
-if [[ -d $KERNELS/deep_gemm ]]; then rm -rf "$SITE/deep_gemm" && cp -r "$KERNELS/deep_gemm" "$SITE/"; fi
-# FlashMLA sparse (no obtainable pinned source) is not in kernels.py's build:
-# with EAGLE3_HARNESS_DSA=1 its stand-ins go into every Python process, after
-# the built vllm._C has registered its ops (a built op always wins).
+# FlashMLA sparse and DeepGEMM (no registry release at v0.16.0's pins) are
+# not in kernels.py's build: with EAGLE3_HARNESS_DSA=1 their stand-ins go into
+# every Python process, after the built vllm._C has registered its ops (a
+# built op always wins). EAGLE3_HARNESS_FI_PREFILL=1 (device_run.sh sets it)
+# sends MLA prefill on Hopper to FlashInfer (fi_prefill.py).
 cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
-cp tools/gpu_harness/dsa_sitecustomize.py "$SITE/sitecustomize.py"
+cp tools/gpu_harness/fi_prefill.py "$SITE/_eagle3_fi_prefill.py"
+cp tools/gpu_harness/harness_sitecustomize.py "$SITE/sitecustomize.py"
+if [[ -f .device/fi-jit/fi-jit.tar.xz ]]; then
+  mkdir -p "${FLASHINFER_WORKSPACE_BASE:-$HOME}" && tar -xJf .device/fi-jit/fi-jit.tar.xz -C "${FLASHINFER_WORKSPACE_BASE:-$HOME}"
+fi
 rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"
 PYTHONPATH="$SITE" python3 - <<'PY'
 import torch, transformers, triton, vllm, vllm._C
@@ -49,7 +55,9 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
       "transformers", transformers.__version__, "vllm", vllm.__version__, vllm.__file__)
 print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 print("vllm._C:", vllm._C.__file__)
-from vllm.vllm_flash_attn import flash_attn_interface as fai
-print("FA2:", fai.FA2_AVAILABLE, fai.FA2_UNAVAILABLE_REASON, "| FA3:", fai.FA3_AVAILABLE, fai.FA3_UNAVAILABLE_REASON)
+import flashinfer
+print("flashinfer", flashinfer.__version__, flashinfer.__file__)
+from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+print("vllm_flash_attn version:", get_flash_attn_version(), "(None: not in this build)")
 print("manifest:", (files("vllm") / "_gpu_harness_manifest.json").read_text())
 PY

@@ -287,7 +287,7 @@ def install() -> list[str]:
 
     Must run in every process vLLM starts, after the built ``vllm._C`` has
     registered its ops and before vLLM imports the attention backends:
-    dsa_sitecustomize.py runs it at interpreter start-up."""
+    harness_sitecustomize.py runs it at interpreter start-up."""
     names = register()
     for name in ("vllm._flashmla_C", "vllm._flashmla_extension_C"):
         if _missing(name):

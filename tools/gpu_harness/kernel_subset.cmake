@@ -2,16 +2,14 @@
 # Loaded by tools/gpu_harness/kernels.py through CMAKE_PROJECT_INCLUDE, so that
 # vLLM 0.16.0's own CMakeLists.txt (unmodified) configures every target with
 # its own flags, and only the sources the DeepSeek-family EAGLE-3 paths reach
-# are compiled. It runs after every project() call (vLLM's, then
-# flash-attention's); the first one defers the edit to the end of the top
-# directory, when every target exists and before CMake generates.
+# are compiled. It runs after every project() call; the first one defers the
+# edit to the end of the top directory, when every target exists and before
+# CMake generates.
 #
 # Inputs (cache variables set by kernels.py):
-#   EAGLE3_KERNEL_TARGETS        the targets to trim, e.g. _C;_moe_C;_vllm_fa3_C
+#   EAGLE3_KERNEL_TARGETS        the targets to trim, e.g. _C;_moe_C
 #   EAGLE3_KERNEL_SRCS_<target>  path suffixes of the sources to keep
 #   EAGLE3_KERNEL_SWAP_<target>  "original-suffix=replacement-path" (bindings)
-#   EAGLE3_KERNEL_DEFS_<target>  compile definitions to add (FA3's own switches)
-#   EAGLE3_KERNEL_EXTRA_<target> generated sources to add (kernels.py's FA3_STUB)
 #   EAGLE3_KERNEL_PLACEHOLDER    an empty C++ file for targets that are not built
 #   EAGLE3_KERNEL_FIRST          targets whose objects ninja should start first, the most urgent first
 # Output: for each EAGLE3_KERNEL_FIRST target, eagle3_first_<target>, which builds it.
@@ -48,7 +46,6 @@ function(_eagle3_trim_target tgt)
     endforeach()
     list(APPEND kept "${found}")
   endforeach()
-  list(APPEND kept ${EAGLE3_KERNEL_EXTRA_${tgt}})
   set_property(TARGET ${tgt} PROPERTY SOURCES "${kept}")
   # vLLM sets ENABLE_<kernel family> for the whole target when it adds a
   # family's sources; the entry files (scaled_mm_entry.cu and siblings) then
@@ -58,9 +55,6 @@ function(_eagle3_trim_target tgt)
   if(opts)
     string(REGEX REPLACE ";-DENABLE_[A-Za-z0-9_]+=1" "" opts "${opts}")
     set_property(TARGET ${tgt} PROPERTY COMPILE_OPTIONS "${opts}")
-  endif()
-  if(EAGLE3_KERNEL_DEFS_${tgt})
-    set_property(TARGET ${tgt} APPEND PROPERTY COMPILE_DEFINITIONS ${EAGLE3_KERNEL_DEFS_${tgt}})
   endif()
   list(LENGTH kept n)
   message(STATUS "eagle3 kernel subset: ${tgt} keeps ${n} sources")
@@ -74,7 +68,7 @@ function(_eagle3_apply_subset)
     _eagle3_trim_target(${tgt})
   endforeach()
   # Targets outside the subset are never built, but CMake checks their sources
-  # exist when it generates; FlashMLA's pinned sources are not obtainable here.
+  # exist when it generates; FlashMLA's sources are not staged (no registry release).
   get_property(all DIRECTORY "${CMAKE_SOURCE_DIR}" PROPERTY BUILDSYSTEM_TARGETS)
   foreach(tgt IN LISTS all)
     list(FIND EAGLE3_KERNEL_TARGETS ${tgt} i)
@@ -91,8 +85,8 @@ endfunction()
 # them on the way to what was asked for, then in build.ninja's order. Every
 # object is one link away from its library, so ninja starts the objects of the
 # target vLLM defines first (_C, about a minute each) and leaves Marlin MoE's
-# object and the FA3 instantiations (2-4.5 min each) to the end, which then
-# decide the build's wall time (H200 calls 23 and 31). A chain of touch steps
+# object (4.5 min) to the end, which then decides the build's wall time. A
+# chain of touch steps
 # after a library, in a target of its own (eagle3_first_<target>, which
 # kernels.py asks ninja for), adds that many steps after each of its objects:
 # the first target listed gets the longest chain, so its objects start first.

@@ -279,6 +279,25 @@ def fp8_linear_facts(model) -> dict[str, list[str]]:
     return {p: sorted(v) for p, v in sorted(paths.items())}
 
 
+_PREFILL_PATHS = {"_fa": "flash_attn", "_fi": "flashinfer", "_cudnn": "cudnn", "_trtllm_ragged": "trtllm_ragged"}
+
+
+def mla_prefill_facts(model) -> dict[str, Any]:
+    """Which kernel serves MLA prefill (and so a verify on a single-token
+    decode backend): the ``_run_prefill_new_tokens_*`` method vLLM bound, and
+    FlashInfer's template where the harness switch (fi_prefill.py) chose it."""
+    import sys
+
+    paths = set()
+    for _, m in model.named_modules():
+        fn = getattr(getattr(m, "impl", None), "_run_prefill_new_tokens", None)
+        if fn is not None:
+            name = getattr(fn, "__name__", str(fn)).removeprefix("_run_prefill_new_tokens")
+            paths.add(_PREFILL_PATHS.get(name, name))
+    mla = sys.modules.get("vllm.model_executor.layers.attention.mla_attention")
+    return {"paths": sorted(paths), "harness_flashinfer_template": getattr(mla, "EAGLE3_HARNESS_FI_PREFILL", None)}
+
+
 def _worker_facts(worker) -> dict[str, Any]:
     """Runs in each worker (collective_rpc): what the engine actually uses,
     after vLLM's own backend choice and CUDA-graph lowering."""
@@ -301,11 +320,18 @@ def _worker_facts(worker) -> dict[str, Any]:
         moe = [f"unknown ({type(e).__name__}: {e})"]
         first_moe = {"error": f"{type(e).__name__}: {e}"}
     try:
+        mla_prefill = mla_prefill_facts(mr.get_model())
+        if drafter is not None and getattr(drafter, "model", None) is not None:
+            mla_prefill["drafter_paths"] = mla_prefill_facts(drafter.model)["paths"]
+    except Exception as e:  # noqa: BLE001 - a fact, not a check
+        mla_prefill = {"error": f"{type(e).__name__}: {e}"}
+    try:
         fp8_linear = fp8_linear_facts(mr.get_model())
     except Exception as e:  # noqa: BLE001 - a fact, not a check
         fp8_linear = {"error": [f"{type(e).__name__}: {e}"]}
     return {
         "attention_backends": {k: sorted(v) for k, v in backends.items()},
+        "mla_prefill": mla_prefill,
         "moe_quant_methods": moe,
         "moe": first_moe,  # the target's first MoE layer (the drafters have none)
         "fp8_linear": fp8_linear,  # {GEMM: [N x K shapes]}; empty without fp8 block weights

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tools/gpu_harness/dsa_sitecustomize.py, as device_setup.sh installs it beside
+"""tools/gpu_harness/harness_sitecustomize.py, as device_setup.sh installs it beside
 built kernels: in a fresh interpreter with EAGLE3_HARNESS_DSA=1, the DSA
 stand-ins are installed after vllm._C, and an op vllm._C registered stays
 its own. Runs on CPU: a stand-in vllm package plays the built one."""
@@ -56,7 +56,7 @@ def _site(tmp_path: Path) -> Path:
     (site / "vllm" / "__init__.py").write_text("")
     (site / "vllm" / "_C.py").write_text(_BUILT_C)
     shutil.copy(HARNESS / "dsa_ops.py", site / "vllm" / "_gpu_harness_dsa_ops.py")
-    shutil.copy(HARNESS / "dsa_sitecustomize.py", site / "sitecustomize.py")
+    shutil.copy(HARNESS / "harness_sitecustomize.py", site / "sitecustomize.py")
     return site
 
 
