@@ -407,7 +407,16 @@ def _offline(d: dict) -> list[tuple[str, str]]:
 
 STAND_INS = ("the 14-patch series; torch stand-ins for vLLM's compiled ops (since retired: vLLM's "
              "own kernels are built now)")
-BUILT = "vLLM's own kernels built from the pinned sources (`kernels.py`), no torch stand-in"
+BUILT = ("vLLM's own kernels with FA3 and DeepGEMM, built by an earlier `kernels.py` from the pinned sdist and "
+         "git snapshots of CUTLASS, flash-attention, DeepGEMM and fmt, no torch stand-in")
+REGISTRY = ("vLLM's own kernels built by `kernels.py` from registry sources only (the sdist, nvidia-cutlass); "
+            "no FA3: TRITON_MLA target, MLA prefill on FlashInfer 0.6.3's sm90 template (harness switch)")
+# README's kernels column: which build produced a row.
+KERNELS = ((REGISTRY, "registry build"), (BUILT, "FA3 build"), (STAND_INS, "torch stand-ins"))
+
+
+def kernels_of(claim: "Claim") -> str:
+    return next((label for prefix, label in KERNELS if claim.ran_on.startswith(prefix)), "CPU")
 CLAIMS = [
     Claim("acceptance", "EAGLE-3 acceptance in production settings (DeepSeek-V3-shaped target)",
           "2026-12-02_h200_acceptance_pytest_built_kernels_early_control.json",
@@ -561,12 +570,12 @@ def render_doc() -> str:
 
 
 def render_readme_table() -> str:
-    rows = ["| claim | result | command | file |", "| --- | --- | --- | --- |"]
+    rows = ["| claim | result | kernels | command | file |", "| --- | --- | --- | --- | --- |"]
     for c in CLAIMS:
         if c.readme is None:
             continue
         d = load(c)
-        rows.append(f"| {_cell(c.title)} | {_cell(c.readme(d))} | `{c.command}` | "
+        rows.append(f"| {_cell(c.title)} | {_cell(c.readme(d))} | {kernels_of(c)} | `{c.command}` | "
                     f"[{c.file[:10]}](tools/gpu_harness/results/{c.file}) |")
     return "\n".join(rows)
 
