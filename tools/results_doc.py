@@ -311,6 +311,12 @@ def _ms(x: float | None) -> str:
     return "" if x is None else f"{x:.3f}"
 
 
+def _kernel_phases(k: dict) -> str:
+    """The phase most of a kernel's time launched from, and how many more."""
+    more = len(k.get("phases", {})) - 1
+    return k["phase"] + (f" (+{more} more)" if more > 0 else "")
+
+
 def _fulldepth_breakdown(d: dict) -> list[str]:
     """Where a step's time goes, per engine and batch, for a summary whose
     batches carry fulldepth's ``breakdown``: per phase in the order the
@@ -337,7 +343,7 @@ def _fulldepth_breakdown(d: dict) -> list[str]:
             out += ["", "| kernel | grid | block | calls per step | GPU ms per step | phase |",
                     "| --- | --- | --- | --- | --- | --- |"]
             out += [f"| {_cell(k['name'][:80])} | {k.get('grid') or ''} | {k.get('block') or ''} | "
-                    f"{k['calls_per_step']:g} | {_ms(k['ms_per_step'])} | {_cell(k['phase'])} |"
+                    f"{k['calls_per_step']:g} | {_ms(k['ms_per_step'])} | {_cell(_kernel_phases(k))} |"
                     for k in bd.get("top_kernels", [])[:5]]
             out.append("")
     return out

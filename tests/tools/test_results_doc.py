@@ -93,7 +93,10 @@ def _with_breakdown(tmp_path, monkeypatch, batches):
             "draft": {"gpu_ms": 0.5625, "host_ms": 1.125, "passes": 1},
             "top_kernels": [{"name": "marlin_moe|wna16", "cat": "kernel", "grid": [132, 1, 1],
                              "block": [256, 1, 1], "calls_per_step": 122, "ms_per_step": 17.5,
-                             "phase": "forward"}],
+                             "phase": "forward"},
+                            {"name": "flash_attn_fwd", "cat": "kernel", "grid": [8, 1, 1], "block": [128, 1, 1],
+                             "calls_per_step": 3, "ms_per_step": 0.25, "phase": "draft pass 3",
+                             "phases": {"draft pass 3": 0.125, "draft pass 2": 0.0625, "draft pass 1": 0.0625}}],
             "unmatched_gpu_ms": 0.0}
     path.write_text(json.dumps(d))
     monkeypatch.setattr(results_doc, "RESULTS", tmp_path / "results")
@@ -114,6 +117,7 @@ def test_a_step_breakdown_renders_as_a_table_per_engine_and_batch(tmp_path, monk
     assert "| drafter, all 1 passes | 0.562 | 1.125 |" in at64
     # a "|" in a kernel's name does not break the table
     assert "| marlin_moe\\|wna16 | [132, 1, 1] | [256, 1, 1] | 122 | 17.500 | forward |" in at64
+    assert "| flash_attn_fwd | [8, 1, 1] | [128, 1, 1] | 3 | 0.250 | draft pass 3 (+2 more) |" in at64
     # the rest of the document is unchanged: without the breakdown sections it is what it was
     kept, skip = [], False
     for ln in now.splitlines():

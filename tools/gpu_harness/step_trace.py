@@ -143,8 +143,8 @@ def phase_breakdown(events: list[dict], periods: list[tuple[float, float]], top:
     host_ms is the phase's host wall time, host_before_launch_ms the host
     time from its start to its first launch (medians over the periods that
     have one). ``top_kernels``: the GPU work of the periods by time, per
-    (name, grid, block): calls and ms per step, and the phase most of it
-    launched from. ``unmatched_gpu_ms``: the GPU work per step (mean, by its
+    (name, grid, block): calls and ms per step, the phase most of it
+    launched from, and its ms per step in each phase. ``unmatched_gpu_ms``: the GPU work per step (mean, by its
     own time stamp) whose launch the trace lacks."""
     host = {}
     for e in events:
@@ -217,7 +217,9 @@ def phase_breakdown(events: list[dict], periods: list[tuple[float, float]], top:
     ranked = sorted(top_acc.items(), key=lambda kv: -kv[1]["us"])[:top]
     top_kernels = [{"name": k[0], "cat": k[1], "grid": v["grid"], "block": v["block"],
                     "calls_per_step": v["calls"] / n, "ms_per_step": v["us"] / 1000 / n,
-                    "phase": v["phases"].most_common(1)[0][0]} for k, v in ranked]
+                    "phase": v["phases"].most_common(1)[0][0],
+                    "phases": {ph: us / 1000 / n for ph, us in v["phases"].most_common()}}
+                   for k, v in ranked]
     return {"phases": phases, "top_kernels": top_kernels,
             "unmatched_gpu_ms": sum(unmatched) / n if n else 0.0}
 

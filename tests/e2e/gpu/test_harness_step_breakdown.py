@@ -271,12 +271,16 @@ def test_an_eager_drafter_keeps_its_passes_whole():
 def test_top_kernels_name_their_calls_time_and_shape():
     top = _phases(_eagle_trace())["top_kernels"]
     assert top[0] == {"name": "fused_marlin_moe", "cat": "kernel", "grid": [256, 1, 1], "block": [256, 1, 1],
-                      "calls_per_step": 2, "ms_per_step": pytest.approx(3.0), "phase": "forward"}
+                      "calls_per_step": 2, "ms_per_step": pytest.approx(3.0), "phase": "forward",
+                      "phases": {"forward": pytest.approx(3.0)}}
     assert (top[1]["name"], top[1]["ms_per_step"], top[1]["grid"]) == ("flash_mla_fwd", pytest.approx(0.5),
                                                                        [16, 8, 1])
     attn = next(x for x in top if x["name"] == "flash_attn_fwd")
     assert attn["calls_per_step"] == 3 and attn["ms_per_step"] == pytest.approx(0.12)
     assert attn["phase"] == "draft pass 3"  # 50 us of its 120 launched there
+    assert attn["phases"] == {"draft pass 3": pytest.approx(0.05), "draft pass 2": pytest.approx(0.04),
+                              "draft pass 1": pytest.approx(0.03)}
+    assert list(attn["phases"]) == ["draft pass 3", "draft pass 2", "draft pass 1"]
     assert [x["ms_per_step"] for x in top] == sorted((x["ms_per_step"] for x in top), reverse=True)
 
 
