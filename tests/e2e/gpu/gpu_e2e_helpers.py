@@ -262,7 +262,8 @@ def fp8_linear_facts(model) -> dict[str, list[str]]:
     W8A8BlockFp8LinearOp.apply picks it for bf16 activations: DeepGEMM where
     should_use_deepgemm_for_fp8_linear holds, else the op it dispatched at
     init (_run_cutlass, which this harness's kernel build leaves out and so
-    fails by name, or _run_triton)."""
+    fails by name, or _run_triton). The registry build has no DeepGEMM; the
+    DSA stand-in (dsa_ops.py) has no fp8 GEMM either."""
     import torch
     from vllm.utils.deep_gemm import should_use_deepgemm_for_fp8_linear
 
