@@ -43,6 +43,7 @@ class Claim:
     command: str  # the command a user runs for it (the device command is the file's)
     figures: Figures
     readme: Callable[[dict], str] | None = None  # the figure cell of README's table
+    tables: Callable[[dict], list[str]] | None = None  # more markdown under the figures (none if [])
 
 
 def f2(x: float) -> str:
@@ -282,12 +283,12 @@ FULL_DRAFTERS = {"eagle3": "Llama drafter", "eagle3_mla": "MLA drafter"}
 
 def _fulldepth(d: dict) -> list[tuple[str, str]]:
     s, rows = d["summary"], []
-    for b in FULL_BATCHES:
+    for b in (b for b in FULL_BATCHES if "plain" in s.get(b, {})):
         p = s[b]["plain"]
         rows.append((f"batch {b}: plain wall ms per step, median (range) / GPU ms / GPU idle ms",
                      f"{f2(p['wall_ms'])} ({f2(p['wall_min_ms'])}-{f2(p['wall_max_ms'])}) / "
                      f"{f2(p['gpu_ms'])} / {f2(p['gpu_idle_ms'])}"))
-        for key, name in FULL_DRAFTERS.items():
+        for key, name in ((k, n) for k, n in FULL_DRAFTERS.items() if k in s[b]):
             e = s[b][key]
             rows.append((f"batch {b}: {name}, EAGLE-3 wall ms per step (range) / GPU ms / GPU idle ms",
                          f"{f2(e['wall_ms'])} ({f2(e['wall_min_ms'])}-{f2(e['wall_max_ms'])}) / "
@@ -303,11 +304,50 @@ def _fulldepth(d: dict) -> list[tuple[str, str]]:
     return rows
 
 
+FULL_ENGINES = {"plain": "plain", **FULL_DRAFTERS}
+
+
+def _ms(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def _fulldepth_breakdown(d: dict) -> list[str]:
+    """Where a step's time goes, per engine and batch, for a summary whose
+    batches carry fulldepth's ``breakdown``: per phase in the order the
+    runner runs them, the GPU time of the work it launched, its host time and
+    the host time before its first launch (medians per step); then the
+    batch's five longest kernels with their grid and block."""
+    s, out = d["summary"], []
+    batches = sorted(s, key=int)
+    for key, name in ((k, n) for k, n in FULL_ENGINES.items() if any(k in s[b] for b in batches)):
+        for b in (b for b in batches if "breakdown" in s[b].get(key, {})):
+            cell = s[b][key]
+            bd = cell["breakdown"]
+            out += [f"### Step breakdown: {name}, batch {b}", "",
+                    f"Wall {f2(cell['wall_ms'])} ms per step, GPU {f2(cell['gpu_ms'])} ms; GPU ms without "
+                    f"its launch: {_ms(bd.get('unmatched_gpu_ms', 0.0))}.", "",
+                    "| phase | GPU ms | host ms | host ms before its first launch | launches |",
+                    "| --- | --- | --- | --- | --- |"]
+            out += [f"| {_cell(ph)} | {_ms(r['gpu_ms'])} | {_ms(r['host_ms'])} | "
+                    f"{_ms(r.get('host_before_launch_ms'))} | {r.get('launches', 0):g} |"
+                    for ph, r in bd["phases"].items()]
+            if "draft" in bd:
+                out.append(f"| drafter, all {bd['draft']['passes']} passes | {_ms(bd['draft']['gpu_ms'])} | "
+                           f"{_ms(bd['draft']['host_ms'])} |  |  |")
+            out += ["", "| kernel | grid | block | calls per step | GPU ms per step | phase |",
+                    "| --- | --- | --- | --- | --- | --- |"]
+            out += [f"| {_cell(k['name'][:80])} | {k.get('grid') or ''} | {k.get('block') or ''} | "
+                    f"{k['calls_per_step']:g} | {_ms(k['ms_per_step'])} | {_cell(k['phase'])} |"
+                    for k in bd.get("top_kernels", [])[:5]]
+            out.append("")
+    return out
+
+
 def _fulldepth_readme(d: dict) -> str:
     s = d["summary"]
     return "; ".join(
         f"{name} {slash(f2(s[b][key]['speedup']['3.0']['median']) + 'x' for b in ('1', '8', '32'))}"
-        for key, name in FULL_DRAFTERS.items()) + (
+        for key, name in FULL_DRAFTERS.items() if key in s["1"]) + (
         " at batch 1 / 8 / 32, acceptance length 3.0, from measured 61-layer steps (ranges in docs/results.md)")
 
 
@@ -433,7 +473,7 @@ CLAIMS = [
           "FULL_AND_PIECEWISE graphs, FLASH_ATTN_MLA target; leaves out the all-reduce between ranks, expert "
           "parallelism and long contexts",
           "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --out DIR", _fulldepth,
-          _fulldepth_readme),
+          _fulldepth_readme, _fulldepth_breakdown),
     Claim("serving-dsv3", "Serving conditions: DeepSeek-V3-shaped target, Llama drafter",
           "2026-12-03_h200_serving_deepseek_v3_llama.json",
           f"{BUILT}; production settings; the OpenAI server with prefix caching, chunked prefill 2048 and a "
@@ -524,6 +564,8 @@ def render_doc() -> str:
                 "| --- | --- |",
                 *(f"| {_cell(k)} | {_cell(v)} |" for k, v in c.figures(d)),
                 ""]
+        if c.tables is not None:
+            out += c.tables(d)
     return "\n".join(out)
 
 

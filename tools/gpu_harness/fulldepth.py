@@ -23,7 +23,10 @@ batch. Wall ms per step is the generate() wall over the steps taken: one per
 token plain, one per draft with EAGLE-3 (read from the spec-decode counters).
 After the timed repeats a short profiled window (vLLM's torch profiler) gives
 the median GPU kernel time per step; wall minus GPU time is the time the GPU
-sat idle in a step. The result file is rewritten after every batch, so a run
+sat idle in a step. The same window breaks the step down (step_trace.py):
+GPU and host time per runner phase (input preparation, target forward,
+sampler, each drafter pass and the inputs before it, bookkeeping) and the
+top kernels by GPU time with their grid and block. The result file is rewritten after every batch, so a run
 cut short keeps what it measured.
 
 With random weights every draft is rejected (acceptance length 1.0), so a
@@ -101,13 +104,21 @@ def _scheduler_facts(llm) -> dict:
 
 
 def _profiled_steps(traces: Path, seen: set[str]) -> dict:
-    from tools.gpu_harness.step_trace import step_breakdown, worker_trace
+    from tools.gpu_harness.step_trace import OUTSIDE, step_breakdown, worker_trace
 
     path, trace = worker_trace(traces, seen)
     seen.add(path)
-    steps = step_breakdown(trace).get("steps")
+    try:
+        steps = step_breakdown(trace).get("steps")
+    except Exception as exc:  # noqa: BLE001  the step times must outlive a trace the breakdown misreads
+        steps = step_breakdown(trace, phases=False).get("steps")
+        if steps:
+            steps["breakdown_error"] = f"{type(exc).__name__}: {exc}"
     if not steps:
         raise RuntimeError(f"{path}: no decode steps (is VLLM_CUSTOM_SCOPES_FOR_PROFILING=1?)")
+    if set(steps.get("phases", {})) == {OUTSIDE}:
+        print(f"WARNING {path}: no runner ranges in the steps (is VLLM_CUSTOM_SCOPES_FOR_PROFILING=1?)",
+              flush=True)
     return steps
 
 
@@ -204,7 +215,8 @@ def summarize(res: dict, acceptance=ACCEPTANCE_LENGTHS) -> dict:
     repeats, its profiled GPU kernel time and idle time per step (median wall
     minus median GPU time), and each drafter's speed-up at each acceptance
     length: AL x median plain / median EAGLE-3, with its spread
-    [AL x lowest plain / highest EAGLE-3, AL x highest plain / lowest EAGLE-3]."""
+    [AL x lowest plain / highest EAGLE-3, AL x highest plain / lowest EAGLE-3].
+    A batch profiled with the phase breakdown carries it (``breakdown``)."""
     out: dict = {}
     engines = res.get("engines", {})
     for key, row in engines.items():
@@ -218,6 +230,8 @@ def summarize(res: dict, acceptance=ACCEPTANCE_LENGTHS) -> dict:
             if prof and "gpu_kernel_ms" in prof:
                 s["gpu_ms"] = prof["gpu_kernel_ms"]
                 s["gpu_idle_ms"] = s["wall_ms"] - s["gpu_ms"]
+            if "phases" in cell.get("profile", {}):
+                s["breakdown"] = breakdown(cell["profile"])
             out.setdefault(b, {})[key] = s
     for b, cells in out.items():
         plain = cells.get("plain")
@@ -230,6 +244,23 @@ def summarize(res: dict, acceptance=ACCEPTANCE_LENGTHS) -> dict:
                                       "low": al * plain["wall_min_ms"] / s["wall_max_ms"],
                                       "high": al * plain["wall_max_ms"] / s["wall_min_ms"]}
                             for al in acceptance}
+    return out
+
+
+def breakdown(profile: dict, top: int = 10) -> dict:
+    """A profiled batch's step, phase by phase (step_trace.phase_breakdown's
+    medians): GPU ms, host ms and host ms before the first launch per phase
+    in the order they run, the drafter's passes summed as ``draft``
+    (inputs, passes and tail), and the ``top`` kernels by GPU time."""
+    phases = {name: {k: p[k] for k in ("gpu_ms", "host_ms", "host_before_launch_ms", "launches") if k in p}
+              for name, p in profile["phases"].items()}
+    draft = [p for name, p in profile["phases"].items() if name == "draft" or name.startswith("draft ")]
+    out = {"phases": phases, "top_kernels": profile.get("top_kernels", [])[:top],
+           "unmatched_gpu_ms": profile.get("unmatched_gpu_ms", 0.0)}
+    if draft:
+        out["draft"] = {"gpu_ms": sum(p["gpu_ms"] for p in draft), "host_ms": sum(p["host_ms"] for p in draft),
+                        "passes": sum(1 for name in profile["phases"]
+                                      if name.startswith("draft pass ") and not name.endswith(" inputs"))}
     return out
 
 

@@ -65,3 +65,70 @@ def test_61_layer_configs(tmp_path, model):
 def test_unknown_engine_refused(tmp_path):
     with pytest.raises(ValueError, match="no drafter"):
         fulldepth.configs("kimi-k25-int4", ["plain", "medusa"], 61, tmp_path)
+
+
+def _worker_trace(steps=4):
+    """A worker trace as vLLM's torch profiler writes it: per step an execute
+    range holding the target's forward (one graph replay of a 2 ms kernel),
+    then a draft range of two passes (a graph replay of a 0.1 ms kernel, then
+    aten::argmax), the GPU 5 ms behind the host."""
+    cpu, gpu, ev, corr = {"pid": 9, "tid": 9}, {"pid": 0, "tid": 7}, [], [0]
+
+    def x(cat, name, ts, dur, who=cpu, **args):
+        ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **who, "args": args})
+
+    def launch(ts, kernel, dur):
+        corr[0] += 1
+        x("cuda_runtime", "cudaGraphLaunch", ts, 5, correlation=corr[0])
+        x("kernel", kernel, ts + 5000, dur, gpu, correlation=corr[0], grid=[8, 1, 1], block=[64, 1, 1])
+
+    for i in range(steps):
+        t = 10000.0 * i
+        x("user_annotation", f"execute_context_0(0)_generation_{i}({i})", t, 3000)
+        x("user_annotation", "gpu_model_runner: forward", t + 100, 2000)
+        launch(t + 200, "marlin_moe", 2000)
+        x("user_annotation", "gpu_model_runner: draft", t + 4000, 1000)
+        for j in range(2):
+            launch(t + 4100 + 400 * j, "drafter_piece", 100)
+            x("cpu_op", "aten::argmax", t + 4300 + 400 * j, 50)
+    return {"traceEvents": ev}
+
+
+def test_a_profiled_batch_carries_its_breakdown_into_the_summary(tmp_path):
+    (tmp_path / "rank0.1.pt.trace.json").write_text(json.dumps(_worker_trace()))
+    steps = fulldepth._profiled_steps(tmp_path, set())
+    assert steps["count"] == 2 and steps["median"]["gpu_kernel_ms"] > 0
+    res = _res([10.0], [12.0])
+    res["engines"]["eagle3"]["batches"]["8"]["profile"] = steps
+    got = fulldepth.summarize(res)["8"]["eagle3"]["breakdown"]
+    assert got["phases"]["forward"]["gpu_ms"] == pytest.approx(2.0)
+    assert got["phases"]["draft pass 2"]["gpu_ms"] == pytest.approx(0.1)
+    assert got["draft"] == {"gpu_ms": pytest.approx(0.2), "host_ms": pytest.approx(1.0), "passes": 2}
+    assert got["top_kernels"][0]["name"] == "marlin_moe" and got["top_kernels"][0]["grid"] == [8, 1, 1]
+    assert "breakdown" not in fulldepth.summarize(res)["8"]["plain"]  # no profile there
+
+
+def test_summarize_command_carries_the_breakdown(tmp_path, capsys):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "rank0.1.pt.trace.json").write_text(json.dumps(_worker_trace()))
+    res = _res([10.0], [12.0])
+    res["engines"]["eagle3"]["batches"]["8"]["profile"] = fulldepth._profiled_steps(tmp_path / "t", set())
+    (tmp_path / "r.json").write_text(json.dumps(res))
+    assert fulldepth.main(["summarize", str(tmp_path / "r.json"), "--out", str(tmp_path / "s.json")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((tmp_path / "s.json").read_text())["summary"]
+    for s in (printed, written):
+        assert s["8"]["eagle3"]["breakdown"]["phases"]["forward"]["gpu_ms"] == pytest.approx(2.0)
+
+
+def test_a_breakdown_that_fails_keeps_the_step_times(tmp_path, monkeypatch):
+    from tools.gpu_harness import step_trace
+
+    def broken(*a, **k):
+        raise KeyError("dur")
+
+    monkeypatch.setattr(step_trace, "phase_breakdown", broken)
+    (tmp_path / "rank0.1.pt.trace.json").write_text(json.dumps(_worker_trace()))
+    steps = fulldepth._profiled_steps(tmp_path, set())
+    assert steps["median"]["gpu_kernel_ms"] > 0 and "phases" not in steps
+    assert steps["breakdown_error"] == "KeyError: 'dur'"
