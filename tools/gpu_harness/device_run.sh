@@ -126,9 +126,9 @@ for s in $STAGES; do
     cache) stage cache ${CACHE_LIMIT_S:-300} "$OUT/cache.log" python3 tools/gpu_harness/bench_eagle3.py cache --out "$OUT/prod" ${CACHE_ARGS:-} ;;
     dsa-*)
       # DSA targets through the GPU suite (tests/e2e/gpu/test_eagle3_dsa.py):
-      # EAGLE3_HARNESS_DSA=1 installs dsa_ops.py's FlashMLA sparse stand-ins
-      # (no obtainable source); DeepGEMM is the build's. Its warm-up is for
-      # fp8 GEMMs, which these bf16 models have none of.
+      # EAGLE3_HARNESS_DSA=1 installs dsa_ops.py's stand-ins for FlashMLA's
+      # sparse kernels and DeepGEMM's indexer logits (neither is built).
+      # DeepGEMM's warm-up is for fp8 GEMMs, which these bf16 models have none of.
       stage "$s" ${DSA_LIMIT_S:-540} "$OUT/$s.log" env EAGLE3_HARNESS_DSA=1 VLLM_DEEP_GEMM_WARMUP=skip \
         python3 -m pytest -v -s -rA -p no:cacheprovider -m gpu tests/e2e/gpu/test_eagle3_dsa.py -k "$(k=${s#dsa-}; echo "${k//-/ and }")" ${DSA_PYTEST_ARGS:-} ;;
     int4|int4-*)

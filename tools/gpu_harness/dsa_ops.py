@@ -1,24 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Torch stand-ins for FlashMLA's sparse kernels, the one DSA kernel family
-the harness cannot build.
+"""Torch stand-ins for the two DSA kernel families the harness does not build.
 
 GLM-5 and DeepSeek-V3.2 run DeepSeek Sparse Attention (DSA) through
-FLASHMLA_SPARSE. vLLM v0.16.0 pins FlashMLA at c2afa9cb, which is not among
-the stored snapshots (vllm-project/FlashMLA stops at 2025-10-22): its sparse
-prefill and decode kernels (``_flashmla_C``) have no obtainable source, so
-this module stands in for those two ops and for nothing else. Every other op
-on the DSA path is built from its pinned source by
-tools/gpu_harness/kernels.py: vLLM's ``_C`` / ``_C_cache_ops`` ops (the
-indexer's fp8 quantization, its K cache, top-k per row, the MLA cache write
-and gather) and DeepGEMM's indexer logits (``deep_gemm`` at 477618cd, the pin
-of v0.16.0's tools/install_deepgemm.sh). docs/gpu-dsa.md lists the kernels
-with their v0.16.0 call sites.
+FLASHMLA_SPARSE. Two of the kernels on that path have no registry release at
+the versions vLLM v0.16.0 pins, so kernels.py does not build them: FlashMLA's
+sparse kernels (``_flashmla_C``; FlashMLA c2afa9cb) and DeepGEMM's indexer
+logits (``deep_gemm``; the ref of v0.16.0's tools/install_deepgemm.sh).
+This module stands in for those two, and for nothing else: every vLLM ``_C``
+/ ``_C_cache_ops`` op the DSA path calls (the indexer's fp8 quantization, its
+K cache, top-k per row, the MLA cache write and gather) is built from the
+pinned sdist by tools/gpu_harness/kernels.py, and install() leaves a real,
+importable ``deep_gemm`` alone. docs/gpu-dsa.md lists the kernels with their
+v0.16.0 call sites.
 
 What each stand-in computes is written next to it, read from the kernel's
 interface and its reference (FlashMLA ``csrc/api/sparse_fwd.h``,
-``sparse_decode.h`` and ``tests/ref.py`` at c2afa9cb).
-``tests/e2e/gpu/test_harness_dsa_ops.py`` checks each op against a literal
-reference.
+``sparse_decode.h`` and ``tests/ref.py``, DeepGEMM
+``sm90_fp8_mqa_logits.cuh``); where a kernel leaves a choice open (logits
+outside a row when ``clean_logits`` is False) the stand-in picks one result
+the kernel can produce and says which. ``tests/e2e/gpu/test_harness_dsa_ops.py``
+checks each op against a literal reference.
 
 Kept free of vLLM imports (it is imported while ``vllm`` itself is importing).
 """
@@ -34,6 +35,134 @@ from collections.abc import Callable
 import torch
 
 FP8 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------
+# DeepGEMM (a stand-in for the ``deep_gemm`` module)
+# ---------------------------------------------------------------------------
+# The paged logits read the indexer K cache that vLLM's built
+# indexer_k_quant_and_cache writes (csrc/cache_kernels.cu:437): uint8
+# [num_blocks, block_size, head_dim + head_dim/128*4], but inside one block
+# the rows are NOT head_dim+4 bytes each: the block's first
+# block_size*head_dim bytes hold every token's fp8 K (token t at t*head_dim),
+# the next block_size*(head_dim/128)*4 bytes the fp32 scales (token t, group
+# g at block_size*head_dim + (t*head_dim/128+g)*4).
+
+
+def _indexer_block_views(kv_cache: torch.Tensor, head_dim: int, quant_block_size: int):
+    nb, bs, stride = kv_cache.shape
+    groups = head_dim // quant_block_size
+    # view, not reshape: never a silent copy of the whole cache on each call.
+    flat = kv_cache.view(torch.uint8).view(nb, bs * stride)
+    k_part = flat[:, : bs * head_dim].reshape(nb, bs, head_dim)
+    s_part = flat[:, bs * head_dim: bs * head_dim + bs * groups * 4].reshape(nb, bs, groups * 4)
+    return k_part, s_part
+
+
+# sm90_fp8_mqa_logits.cuh: for each (query m, key n) the kernel takes the fp8
+# WGMMA dot product per head in fp32, applies max(., 0), multiplies by the
+# head weight, sums over heads in fp32 and multiplies the sum by the key's
+# scale: logits[m, n] = (sum_h relu(q[m,h]·k[n]) * w[m,h]) * k_scale[n].
+# (q carries no scale: the indexer folds q's ue8m0 scale into the weights,
+# deepseek_v2.py:707.)
+
+
+def _mqa_logits_core(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """q [..., M, H, D] fp8, k [..., N, D] fp8, w [..., M, H] -> [..., M, N]
+    fp32 (before the key scale)."""
+    scores = torch.einsum("...mhd,...nd->...mhn", q.float(), k.float())
+    return (scores.clamp_min(0) * w.float()[..., None]).sum(dim=-2)
+
+
+def fp8_mqa_logits(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seqlen_ks: torch.Tensor,
+    cu_seqlen_ke: torch.Tensor,
+    clean_logits: bool = True,
+) -> torch.Tensor:
+    """DeepGEMM ``fp8_mqa_logits(q [M,H,D] e4m3, (k [N,D] e4m3, k_scales [N]
+    f32), weights [M,H] f32, ks [M], ke [M], clean_logits)`` -> [M, N] f32.
+    Only columns in [ks[m], ke[m]) are defined. The kernel leaves the others
+    unwritten when clean_logits is False; here they are always -inf (what
+    clean_logits=True gives), which no consumer may depend on either way."""
+    k_fp8, k_scales = kv
+    m, h = q.shape[0], q.shape[1]
+    n = k_fp8.shape[0]
+    # Row chunks keep the [rows, H, N] fp32 scores near 256 MiB (shapes only).
+    step = max(1, (1 << 26) // max(1, h * n))
+    logits = torch.cat([_mqa_logits_core(q[i:i + step], k_fp8, weights[i:i + step])
+                        for i in range(0, m, step)] or [q.new_empty((0, n), dtype=torch.float32)])
+    logits = logits * k_scales.reshape(1, n).float()
+    cols = torch.arange(n, device=q.device)
+    inside = (cols[None, :] >= cu_seqlen_ks.to(torch.int64)[:, None]) & (
+        cols[None, :] < cu_seqlen_ke.to(torch.int64)[:, None]
+    )
+    return torch.where(inside, logits, torch.full_like(logits, float("-inf")))
+
+
+def get_paged_mqa_logits_metadata(
+    context_lens: torch.Tensor, block_size: int, num_sms: int
+) -> torch.Tensor:
+    """DeepGEMM returns int32 [num_sms + 1, 2]: for each SM the (request,
+    KV-split) where its share of the paged-logits work starts, the last row the
+    end. Only ``fp8_paged_mqa_logits`` reads it, and the stand-in below does
+    not need a schedule, so this computes an equal split of the KV blocks over
+    the SMs in that shape (split unit = one cache block), on the device."""
+    lens = context_lens.reshape(-1).to(torch.int64)
+    blocks = (lens + block_size - 1) // block_size
+    cum = torch.cumsum(blocks, 0)
+    sm = torch.arange(num_sms + 1, device=lens.device, dtype=torch.int64)
+    start = sm * cum[-1:] // num_sms
+    req = torch.searchsorted(cum, start, right=True)
+    prev = torch.where(req > 0, cum[(req - 1).clamp_min(0)], torch.zeros_like(req))
+    return torch.stack([req, start - prev], dim=1).to(torch.int32)
+
+
+def fp8_paged_mqa_logits(
+    q_fp8: torch.Tensor,
+    kv_cache_fp8: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    schedule_metadata: torch.Tensor,
+    max_model_len: int,
+    clean_logits: bool = True,
+) -> torch.Tensor:
+    """DeepGEMM ``fp8_paged_mqa_logits``: q [B, next_n, H, D] e4m3, cache uint8
+    [num_blocks, block_size, 1, D + 4] (the block layout above), weights
+    [B*next_n, H], context_lens [B], block_tables [B, nb] -> logits
+    [B*next_n, max_model_len] f32. Row b*next_n + j is the query at position
+    context_lens[b] - next_n + j; columns are logical key positions, defined
+    for 0 <= n <= that position (-inf elsewhere, see fp8_mqa_logits). Same
+    formula as fp8_mqa_logits. Fixed shapes: every block a row could reach is
+    gathered and masked."""
+    b, next_n, h, d = q_fp8.shape
+    nb_cache, bs = kv_cache_fp8.shape[0], kv_cache_fp8.shape[1]
+    cache = kv_cache_fp8.reshape(nb_cache, bs, -1)
+    k_part, s_part = _indexer_block_views(cache, d, 128)
+    nblk = min(block_tables.shape[1], (max_model_len + bs - 1) // bs)
+    tbl = block_tables[:, :nblk].to(torch.int64).clamp(0, nb_cache - 1)
+    k = k_part[tbl].reshape(b, nblk * bs, d).view(FP8)
+    scale = s_part[tbl].reshape(b, nblk * bs, -1)[..., :4].contiguous().view(torch.float32)
+    w = weights[: b * next_n].reshape(b, next_n, h)
+    logits = _mqa_logits_core(q_fp8, k, w) * scale.reshape(b, 1, nblk * bs)
+    out = torch.full((b, next_n, max_model_len), float("-inf"), dtype=torch.float32,
+                     device=q_fp8.device)
+    width = min(nblk * bs, max_model_len)
+    pos = torch.arange(width, device=q_fp8.device)
+    last = context_lens.reshape(b, 1).to(torch.int64) - next_n + torch.arange(
+        next_n, device=q_fp8.device)[None, :]
+    valid = pos[None, None, :] <= last[..., None]
+    out[..., :width] = torch.where(valid, logits[..., :width], out[..., :width])
+    return out.reshape(b * next_n, max_model_len)
+
+
+def get_num_sms() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 1
 
 
 # ---------------------------------------------------------------------------
@@ -218,6 +347,13 @@ _OPS: list[tuple[str, str, str, Callable, Callable]] = [
 
 OP_NAMES: tuple[str, ...] = tuple(f"{ns}::{name}" for ns, name, *_ in _OPS)
 
+DEEP_GEMM_FUNCTIONS: dict[str, Callable] = {
+    "fp8_mqa_logits": fp8_mqa_logits,
+    "fp8_paged_mqa_logits": fp8_paged_mqa_logits,
+    "get_paged_mqa_logits_metadata": get_paged_mqa_logits_metadata,
+    "get_num_sms": get_num_sms,
+}
+
 _LIBS: dict[str, torch.library.Library] = {}
 _REGISTERED: set[str] = set()
 
@@ -254,11 +390,13 @@ def register(namespace_map: dict[str, str] | None = None) -> list[str]:
     return done
 
 
-def _stub_module(name: str, doc: str) -> types.ModuleType:
+def _stub_module(name: str, doc: str, attrs: dict | None = None) -> types.ModuleType:
     mod = types.ModuleType(name, doc)
-    # find_spec() on a name in sys.modules returns its __spec__, and raises
-    # if that is None.
+    # find_spec() on a name in sys.modules returns its __spec__ (and raises
+    # if that is None): vllm.utils.import_utils.has_deep_gemm relies on it.
     mod.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+    for k, v in (attrs or {}).items():
+        setattr(mod, k, v)
     return mod
 
 
@@ -271,26 +409,37 @@ def _missing(name: str) -> bool:
         return True
 
 
-def install() -> list[str]:
+def install(deep_gemm: bool = True, flashmla: bool = True) -> list[str]:
     """Register the ops under their real names and make vLLM find them:
-    ``vllm._flashmla_C`` and ``vllm._flashmla_extension_C`` (when missing)
-    become empty modules, so ``vllm/v1/attention/ops/flashmla.py`` imports the
-    wheel's ``flash_mla_interface`` and its calls reach
-    ``torch.ops._flashmla_C.*`` registered here. This also makes the dense
-    FlashMLA backend look available, and its kernels (``dense_decode_fwd``,
-    ``_flashmla_extension_C``) are NOT stood in: on SM90 vLLM ranks the built
-    FLASH_ATTN_MLA first, and a dense MLA model that falls past it to
-    FLASHMLA must force TRITON_MLA (docs/gpu-dsa.md).
 
-    Nothing here stands in for DeepGEMM: without a built ``deep_gemm``,
-    vLLM's ``has_deep_gemm()`` is False and the DSA tests say so.
+    * ``deep_gemm`` (when no real one is importable): a module whose
+      ``fp8_mqa_logits``, ``fp8_paged_mqa_logits``,
+      ``get_paged_mqa_logits_metadata`` and ``get_num_sms`` are the stand-ins
+      above. It has no ``fp8_gemm_nt``, so ``is_deep_gemm_e8m0_used()`` stays
+      False; an fp8 block-quantized linear vLLM sends to DeepGEMM fails by
+      name ("DeepGEMM backend is not available"). The DSA targets are bf16
+      and have none.
+    * ``vllm._flashmla_C`` and ``vllm._flashmla_extension_C`` (when missing):
+      empty modules, so ``vllm/v1/attention/ops/flashmla.py`` imports the
+      wheel's ``flash_mla_interface`` and its calls reach
+      ``torch.ops._flashmla_C.*`` registered here. This also makes the dense
+      FlashMLA backend look available, and its kernels (``dense_decode_fwd``,
+      ``_flashmla_extension_C``) are NOT stood in: with no FA3 in the build,
+      vLLM v0.16.0 on SM90 can pick FLASHMLA for a dense MLA model, which
+      then fails there, so a dense MLA model served under the switch must
+      force TRITON_MLA (docs/gpu-dsa.md).
 
     Must run in every process vLLM starts, after the built ``vllm._C`` has
     registered its ops and before vLLM imports the attention backends:
     harness_sitecustomize.py runs it at interpreter start-up."""
     names = register()
-    for name in ("vllm._flashmla_C", "vllm._flashmla_extension_C"):
-        if _missing(name):
-            sys.modules[name] = _stub_module(
-                name, "GPU-harness stand-in; ops registered by vllm._gpu_harness_dsa_ops")
+    if deep_gemm and _missing("deep_gemm"):
+        sys.modules["deep_gemm"] = _stub_module(
+            "deep_gemm", "GPU-harness stand-in for DeepGEMM (DSA indexer logits only)",
+            dict(DEEP_GEMM_FUNCTIONS))
+    if flashmla:
+        for name in ("vllm._flashmla_C", "vllm._flashmla_extension_C"):
+            if _missing(name):
+                sys.modules[name] = _stub_module(
+                    name, "GPU-harness stand-in; ops registered by vllm._gpu_harness_dsa_ops")
     return names

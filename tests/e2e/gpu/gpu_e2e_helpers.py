@@ -235,7 +235,8 @@ SPEC_METRICS = {
 }
 
 
-# deep_gemm is a Python package: its compiled library is deep_gemm._C.
+# deep_gemm is a Python package: its compiled library is deep_gemm._C
+# (dsa_ops.install()'s stand-in is a plain module, with nothing under it).
 OP_MODULES = ("vllm._C", "vllm._moe_C", "vllm.vllm_flash_attn._vllm_fa2_C",
               "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C", "deep_gemm._C")
 
@@ -261,7 +262,8 @@ def fp8_linear_facts(model) -> dict[str, list[str]]:
     W8A8BlockFp8LinearOp.apply picks it for bf16 activations: DeepGEMM where
     should_use_deepgemm_for_fp8_linear holds, else the op it dispatched at
     init (_run_cutlass, which this harness's kernel build leaves out and so
-    fails by name, or _run_triton)."""
+    fails by name, or _run_triton). The registry build has no DeepGEMM; the
+    DSA stand-in (dsa_ops.py) has no fp8 GEMM either."""
     import torch
     from vllm.utils.deep_gemm import should_use_deepgemm_for_fp8_linear
 
@@ -437,7 +439,7 @@ def assert_drafted(metrics) -> None:
 def op_providers() -> dict[str, str]:
     """Who serves each compiled-op module in this process: built (a compiled
     library), stand-in (a .py file, or a module made at run time by
-    dsa_ops.install()) or absent."""
+    dsa_ops.install(), or a library under such a module) or absent."""
     import importlib
 
     providers = {}
@@ -447,7 +449,9 @@ def op_providers() -> dict[str, str]:
             f = getattr(m, "__file__", None)
             providers[mod] = f"built {f}" if f and not f.endswith(".py") else f"stand-in {f or m.__doc__}"
         except ImportError as e:
-            providers[mod] = f"absent ({e})"
+            parent = sys.modules.get(mod.rpartition(".")[0])
+            made = parent is not None and getattr(parent, "__file__", None) is None
+            providers[mod] = f"stand-in {parent.__doc__}" if made else f"absent ({e})"
     return providers
 
 

@@ -3,9 +3,10 @@
 
 DSA runs only with MLA on, in 16-bit, through the FLASHMLA_SPARSE backend and
 the indexer's DeepGEMM/fp8 kernels (a GPU with the real wheel and deep_gemm;
-on the lent H200, kernels.py's build, DeepGEMM included, with
-EAGLE3_HARNESS_DSA=1 for FlashMLA's sparse kernels, which have no obtainable
-source: tools/gpu_harness/dsa_ops.py). bf16, eager (EAGLE3_GPU_PROFILE=eager).
+on the lent H200, kernels.py's build with EAGLE3_HARNESS_DSA=1, which puts
+the torch stand-ins of tools/gpu_harness/dsa_ops.py in place of FlashMLA's
+sparse kernels and DeepGEMM's indexer logits: neither has a registry release
+at v0.16.0's pins). bf16, eager (EAGLE3_GPU_PROFILE=eager).
 
 1. The aux states are right (tools/gpu_harness/dsa_check.py): a tiny target
    with the published attention geometry and index_topk 128 serves a
@@ -43,8 +44,9 @@ def _eager_bf16(monkeypatch):
     from vllm.utils.import_utils import has_deep_gemm
 
     if not has_deep_gemm():
-        pytest.skip("the DSA indexer needs DeepGEMM: install deep_gemm (v0.16.0's "
-                    "tools/install_deepgemm.sh), or build it with tools/gpu_harness/kernels.py")
+        pytest.skip("the DSA indexer needs DeepGEMM (the real wheel's environment: v0.16.0's "
+                    "tools/install_deepgemm.sh) or the harness stand-in (EAGLE3_HARNESS_DSA=1, "
+                    "tools/gpu_harness/dsa_ops.py)")
 
 
 @pytest.mark.parametrize("kind", KINDS)

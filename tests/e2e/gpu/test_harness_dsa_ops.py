@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The DSA kernels that vLLM's own ops do not cover, against literal references.
+"""Each stand-in of tools/gpu_harness/dsa_ops.py computes what its kernel computes.
 
-DeepGEMM's indexer logits are built from v0.16.0's pin (kernels.py): the
-``built_deep_gemm`` tests (marked ``gpu``) call them through vLLM's wrappers.
-FlashMLA's sparse kernels have no obtainable pinned source: the stand-ins of
-tools/gpu_harness/dsa_ops.py take their place, and their tests are not marked
-``gpu`` (CPU in CI, CUDA when present).
+They stand in for the two DSA kernel families that have no registry release at
+v0.16.0's pins, so the harness does not build them: FlashMLA's sparse attention
+and DeepGEMM's indexer logits; vLLM's own DSA ops are built (kernels.py). Their
+tests are not marked ``gpu`` (CPU in CI, CUDA when present). Where a real
+``deep_gemm`` is installed (the real wheel's environment), the ``built_deep_gemm``
+tests (marked ``gpu``) hold it to the same references through vLLM's wrappers;
+without one they are reported skipped.
 References: float64 Python loops from the kernels' sources (layouts and formulas quoted
 here and in dsa_ops.py), rounded to float32 or bf16 where the kernel does; the fp8 MLA
 cache decoded by a literal e4m3 decoder."""
@@ -17,6 +19,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -29,6 +32,7 @@ from gpu_e2e_helpers import randn as _randn
 from gpu_e2e_helpers import tensor as _t
 
 DSA_PATH = REPO_ROOT / "tools" / "gpu_harness" / "dsa_ops.py"
+HELPERS_PATH = REPO_ROOT / "tests" / "e2e" / "gpu" / "gpu_e2e_helpers.py"
 dsa.register({"_flashmla_C": "_flashmla_C_dsa_test"})
 FMLA = torch.ops._flashmla_C_dsa_test
 
@@ -64,6 +68,34 @@ def _fp8_random(shape, device, seed):
 
 # --- DeepGEMM logits ---------------------------------------------------------
 D_IDX = 128  # index_head_dim of DeepSeek-V3.2 and GLM-5
+BS = 4
+
+
+# Tolerance: the kernel (and the stand-in) sum 128 exact fp8 products and up
+# to 4 heads in float32; the reference sums in float64. Relative error is
+# bounded by ~ (128 + 4) * 2^-24 of the sum of magnitudes, below 1e-5 here.
+def _logit_ref(qm, kn, wm, scale):
+    return sum(max(sum(a * b for a, b in zip(qm[h], kn)), 0.0) * wm[h] for h in range(len(qm))) * scale
+
+
+def test_fp8_mqa_logits(device):
+    m, n, h = 4, 7, 4
+    q = _fp8_random((m, h, D_IDX), device, 4)
+    k = _fp8_random((n, D_IDX), device, 5)
+    ks_ = torch.rand(n, generator=_gen(6, "cpu")).to(device) + 0.5
+    w = _randn((m, h), torch.float32, device, seed=7)
+    ks, ke = _t([0, 0, 2, 3], device), _t([1, 3, 5, 7], device)
+    out = dsa.fp8_mqa_logits(q, (k, ks_), w, ks, ke, clean_logits=False)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    qf, kf = q.float().cpu().tolist(), k.float().cpu().tolist()
+    wf, sf = w.cpu().tolist(), ks_.cpu().tolist()
+    for i in range(m):
+        for j in range(n):
+            if int(ks[i]) <= j < int(ke[i]):
+                ref = _logit_ref(qf[i], kf[j], wf[i], sf[j])
+                assert math.isclose(float(out[i, j]), ref, rel_tol=1e-5, abs_tol=1e-3), (i, j)
+            else:
+                assert float(out[i, j]) == NEG_INF
 
 
 def _indexer_cache(nb, bs, scale_step, device):
@@ -91,10 +123,41 @@ def _paged_cells(ctx, block_table, next_n, max_len, bs):
                        (block_table[bi][pos // bs], pos % bs) if pos <= qpos else None)
 
 
-# What vLLM's vllm.utils.deep_gemm wrappers return over the deep_gemm that
-# kernels.py builds at v0.16.0's pin, on the kernel's own shapes (block_kv 64
-# for the paged cache, next_n 1 or 2) and head counts: index_n_heads 32
-# (GLM-5) and 64 (DeepSeek-V3.2; tests/transformers_utils/data/*/config.json).
+def test_fp8_paged_mqa_logits(device):
+    b, next_n, h, nb, max_len = 2, 2, 4, 6, 12
+    ctx, block_table = [5, 7], [[4, 0, 0], [2, 5, 1]]
+    cache, kf, scales = _indexer_cache(nb, BS, 0.1, device)
+    q = _fp8_random((b, next_n, h, D_IDX), device, 9)
+    w = _randn((b * next_n, h), torch.float32, device, seed=10)
+    ctx_t = _t(ctx, device)
+    meta = dsa.get_paged_mqa_logits_metadata(ctx_t, BS, 8)
+    out = dsa.fp8_paged_mqa_logits(q, cache, w, ctx_t, _t(block_table, device), meta, max_len,
+                                   clean_logits=False)
+    assert out.shape == (b * next_n, max_len)
+    qf, wf = q.float().cpu().tolist(), w.cpu().tolist()
+    for row, bi, j, pos, at in _paged_cells(ctx, block_table, next_n, max_len, BS):
+        if at is None:
+            assert float(out[row, pos]) == NEG_INF
+        else:
+            ref = _logit_ref(qf[bi][j], kf[at[0]][at[1]], wf[row], f32(scales[at[0]][at[1]]))
+            assert math.isclose(float(out[row, pos]), ref, rel_tol=1e-5, abs_tol=1e-3)
+
+
+def test_paged_mqa_logits_metadata_splits_all_blocks():
+    # [num_sms + 1, 2] int32: SM i starts at (request, block) = cumulative
+    # share i*total/num_sms of the blocks; the last row is the end (B, 0).
+    ctx = torch.tensor([5, 7, 1], dtype=I32)  # 2 + 2 + 1 blocks of 4
+    meta = dsa.get_paged_mqa_logits_metadata(ctx, 4, 5)
+    assert meta.dtype == I32 and meta.shape == (6, 2)
+    assert meta.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [3, 0]]
+
+
+# --- A real DeepGEMM, through vLLM's wrappers ----------------------------------
+# The same literal references, now for the kernel itself: what vLLM's
+# vllm.utils.deep_gemm wrappers return over an installed deep_gemm, on the
+# kernel's own shapes (block_kv 64 for the paged cache, next_n 1 or 2) and
+# head counts: index_n_heads 32 (GLM-5) and 64 (DeepSeek-V3.2;
+# tests/transformers_utils/data/*/config.json).
 # The kernel (sm90_fp8_mqa_logits.cuh): for each (query m, key n), the fp8
 # dot product per head, max(., 0), times the head weight, summed over heads,
 # times the key's scale. q carries no scale: the indexer folds q's ue8m0
@@ -107,7 +170,11 @@ def _built_deep_gemm():
     try:
         real = importlib.import_module("deep_gemm")
     except ImportError as e:
-        pytest.skip(f"no built deep_gemm ({e}): kernels.py build, then device_setup.sh installs it")
+        pytest.skip(f"needs a real deep_gemm ({e}): DeepGEMM as the real wheel's environment "
+                    "installs it (v0.16.0's tools/install_deepgemm.sh); kernels.py builds none")
+    if getattr(real, "__file__", None) is None:
+        pytest.skip("needs a real deep_gemm: the one importable is dsa_ops.py's stand-in "
+                    "(EAGLE3_HARNESS_DSA=1), which the tests above check")
     from vllm.utils import deep_gemm as vdg
 
     return real, vdg
@@ -282,15 +349,26 @@ def test_decode_path_ops_capture_in_a_cuda_graph():
     # reads of device values, no data-dependent shapes. Capture fails with
     # "operation not permitted when stream is capturing" otherwise.
     dev = "cuda"
-    b, nb, bs, k = 2, 6, 4, 4
+    b, next_n, h, nb, max_len, k = 2, 1, 4, 6, 16, 4
+    # Indexer K cache in the built indexer_k_quant_and_cache's block layout
+    # (csrc/cache_kernels.cu:437): every token's fp8 K, then its fp32 scale.
+    keys = _fp8_random((nb, BS * D_IDX), dev, 29).view(torch.uint8)
+    scales = torch.full((nb, BS), 0.5, device=dev).view(torch.uint8)
+    idx_cache = torch.cat([keys, scales], dim=1).view(nb, BS, D_IDX + 4)
     # bf16 MLA cache (kv_cache_dtype "auto": each slot a row [kv_c | k_pe]).
-    mla_cache = _randn((nb, bs, 576), BF16, dev, 30)
-    fp8_cache, _ = _ds_mla_cache(nb, bs, 33)
-    fp8_cache = fp8_cache.to(dev).view(nb, bs, 1, 656)
-    logits = _randn((b, nb * bs), torch.float32, dev, 31)
+    mla_cache = _randn((nb, BS, 576), BF16, dev, 30)
+    fp8_cache, _ = _ds_mla_cache(nb, BS, 33)
+    fp8_cache = fp8_cache.to(dev).view(nb, BS, 1, 656)
+    q_fp8 = _fp8_random((b, next_n, h, D_IDX), dev, 31)
+    w = _randn((b * next_n, h), torch.float32, dev, 32)
+    ctx = _t([5, 9], dev)
+    bt = _t([[0, 1, 2, 3], [4, 5, 0, 0]], dev)
     q_mla = _randn((b, 64, 576), BF16, dev, 34)
 
     def step():
+        meta = dsa.get_paged_mqa_logits_metadata(ctx, BS, 8)
+        logits = dsa.fp8_paged_mqa_logits(q_fp8, idx_cache.unsqueeze(-2), w, ctx, bt, meta,
+                                          max_len, False)
         # torch.topk where vLLM calls the built top_k_per_row_decode.
         top = torch.topk(logits, k, dim=-1).indices.to(I32).view(b, 1, k)
         prefill = FMLA.sparse_prefill_fwd(q_mla, mla_cache.view(-1, 1, 576), top, 0.1, 512,
@@ -319,14 +397,72 @@ def load(name, path):
 """
 
 
-def _run(code: str) -> str:
+def _run(code: str, pythonpath: str | None = None) -> str:
     """Runs _PRELUDE + code in a fresh interpreter, without the start-up hook's
-    switch (the code installs the stand-ins itself); returns its last stdout line."""
+    switch (the code installs the stand-ins itself), from an empty directory
+    (``-c`` puts the working directory first on sys.path, and the repository
+    root's vllm/ tree must not shadow the installed wheel); returns its last
+    stdout line."""
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3_HARNESS_DSA"}
-    proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=str(REPO_ROOT))
+    if pythonpath:  # first, ahead of the device's site directory
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as cwd:
+        proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.strip().splitlines()[-1]
+
+
+def test_install_makes_vllm_resolve_the_deep_gemm_stand_in():
+    pytest.importorskip("vllm")
+    out = _run(f"""
+        try:
+            import vllm._C  # a real (CPU) build loads first; its ops win
+        except Exception:
+            pass
+        m = load("vllm._gpu_harness_dsa_ops", {str(DSA_PATH)!r})
+        before = {{q for q in m.OP_NAMES if m._op_exists(*q.split("::"))}}
+        done = m.install()
+        assert set(done) | before == set(m.OP_NAMES), (done, before)
+        assert importlib.util.find_spec("deep_gemm") is not None
+        import vllm._flashmla_C, vllm._flashmla_extension_C
+        from vllm.utils import deep_gemm as dg
+        q = torch.ones((1, 2, 128)).to(torch.float8_e4m3fn)
+        k = torch.ones((3, 128)).to(torch.float8_e4m3fn)
+        logits = dg.fp8_mqa_logits(q, (k, torch.full((3,), 0.5)), torch.ones((1, 2)),
+                                   torch.zeros(1, dtype=torch.int32),
+                                   torch.full((1,), 2, dtype=torch.int32), clean_logits=False)
+        assert dg._fp8_mqa_logits_impl is m.fp8_mqa_logits
+        assert dg._fp8_paged_mqa_logits_impl is m.fp8_paged_mqa_logits
+        assert dg._get_paged_mqa_logits_metadata_impl is m.get_paged_mqa_logits_metadata
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 1
+        assert dg.get_num_sms() == sms
+        # The engines' facts name the stand-ins as such.
+        providers = load("gpu_e2e_helpers", {str(HELPERS_PATH)!r}).op_providers()
+        assert providers["deep_gemm._C"].startswith("stand-in GPU-harness stand-in for DeepGEMM"), providers
+        assert providers["vllm._flashmla_C"].startswith("stand-in GPU-harness stand-in"), providers
+        print(logits.tolist())
+    """)
+    # (128 * 1 * 1 per head, 2 heads of weight 1) * scale 0.5 = 128; key 2 is out of range.
+    assert out == "[[128.0, 128.0, -inf]]"
+
+
+def test_install_leaves_a_real_deep_gemm_alone(tmp_path):
+    # A real deep_gemm (here a package on the path, as a wheel installs it)
+    # wins: install() neither shadows nor imports it, and vLLM resolves it.
+    pytest.importorskip("vllm")
+    (tmp_path / "deep_gemm").mkdir()
+    (tmp_path / "deep_gemm" / "__init__.py").write_text(
+        "def fp8_mqa_logits(*args, **kwargs):\n    return 'the real deep_gemm ran'\n")
+    out = _run(f"""
+        m = load("vllm._gpu_harness_dsa_ops", {str(DSA_PATH)!r})
+        m.install()
+        assert "deep_gemm" not in sys.modules
+        from vllm.utils import deep_gemm as dg
+        got = dg.fp8_mqa_logits(None, (None, None), None, None, None, clean_logits=False)
+        print(got, sys.modules["deep_gemm"].__file__)
+    """, pythonpath=str(tmp_path))
+    assert out == f"the real deep_gemm ran {tmp_path / 'deep_gemm' / '__init__.py'}"
 
 
 def _flashmla_interface_source() -> str:

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """tools/gpu_harness/harness_sitecustomize.py, as device_setup.sh installs it beside
 built kernels: in a fresh interpreter with EAGLE3_HARNESS_DSA=1, the DSA
-stand-ins are installed after vllm._C, and an op vllm._C registered stays
-its own. Runs on CPU: a stand-in vllm package plays the built one."""
+stand-ins are installed after vllm._C, and an op vllm._C registered, or a
+real deep_gemm on the path, stays its own. Runs on CPU: a stand-in vllm
+package plays the built one."""
 
 from __future__ import annotations
 
@@ -72,11 +73,22 @@ def _probe(site: Path, dsa: bool) -> dict:
 
 def test_dsa_stand_ins_join_built_kernels_in_every_interpreter(tmp_path: Path):
     got = _probe(_site(tmp_path), dsa=True)
-    assert got["sparse_decode"]
-    # DeepGEMM is built (kernels.py), never stood in: without a build it stays absent.
-    assert not got["deep_gemm"]
+    # No real deep_gemm here: the stand-in takes its name.
+    assert got["deep_gemm"] and got["sparse_decode"]
     # dsa_ops has its own sparse_prefill_fwd; the built one stays.
     assert got["sparse_prefill"] == "the built kernel ran"
+
+
+def test_a_real_deep_gemm_wins_over_the_stand_in(tmp_path: Path):
+    site = _site(tmp_path)
+    (site / "deep_gemm").mkdir()
+    (site / "deep_gemm" / "__init__.py").write_text('"""the real one"""')
+    env = {k: v for k, v in os.environ.items() if k != "EAGLE3_HARNESS_DSA"}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), *sys.path]), EAGLE3_HARNESS_DSA="1")
+    r = subprocess.run([sys.executable, "-c", "import deep_gemm; print(deep_gemm.__doc__)"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "the real one"
 
 
 def test_nothing_is_installed_without_the_switch(tmp_path: Path):
