@@ -191,3 +191,169 @@ def test_the_readme_example(user_venv: Path, tmp_path: Path) -> None:
     assert "calibrate: replaying drafts" in cal.stderr  # the progress bar
     new = json.loads((ex / "tiny-drafter" / "config.json").read_text())
     assert new[TOP] == new["eagle_config"][TOP] == [2, 4, 6]
+
+
+def hf_snapshot(cache: Path, repo: str, files: dict[str, Path], mode: int = 0o644) -> Path:
+    """The layout huggingface_hub downloads into: each file a blob named by
+    its hash under models--ORG--NAME/blobs, and snapshots/REV/NAME a
+    relative symlink ../../blobs/HASH. ``files``: name -> source file."""
+    import hashlib
+
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snap = root / "snapshots" / ("0" * 40)
+    (root / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0" * 40)
+    for name, src in files.items():
+        data = src.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        blob.chmod(mode)
+        (snap / name).symlink_to(Path("../../blobs") / blob.name)
+    return snap
+
+
+def test_convert_out_of_a_hugging_face_snapshot(user_venv: Path, tmp_path: Path) -> None:
+    """A drafter as huggingface_hub stores it: files are relative symlinks
+    into ../../blobs. The copy holds real files (hard links to the blobs),
+    config.json keeps the original's mode, and `check` reads the copy."""
+    from test_eagle3_layers_check import DEEPSEEK_R1, drafter
+
+    (tmp_path / "src").mkdir()
+    src = drafter(tmp_path / "src", "specforge-deepseek-v3-671b-eagle3")
+    snap = hf_snapshot(tmp_path / "hub", "org/drafter",
+                       {"config.json": src / "config.json",
+                        "model.safetensors": src / "model.safetensors"})
+    out = tmp_path / "converted"
+    conv = command(user_venv, "convert", str(snap), "--from", "output-of-layer", "--out",
+                   str(out), cwd=tmp_path)
+    assert conv.returncode == 0, conv.stdout + conv.stderr
+    weights = out / "model.safetensors"
+    assert not weights.is_symlink() and os.path.samefile(weights, snap / "model.safetensors")
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o644
+    assert json.loads((out / "config.json").read_text())[TOP] == [2, 30, 58]
+    check = command(user_venv, "check", str(out), "--target", str(DEEPSEEK_R1), cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr[-2000:]
+
+    # In place: the snapshot's link is replaced by a file of the blob's mode;
+    # the blob (shared with other revisions) is left as it was.
+    blob = (snap / "config.json").resolve()
+    before = blob.read_bytes()
+    conv = command(user_venv, "convert", str(snap), "--from", "output-of-layer", cwd=tmp_path)
+    assert conv.returncode == 0, conv.stdout + conv.stderr
+    assert not (snap / "config.json").is_symlink()
+    assert (snap / "config.json").stat().st_mode & 0o777 == 0o644
+    assert blob.read_bytes() == before
+    assert json.loads((snap / "config.json.orig").read_text()) == json.loads(before)
+
+
+def torchspec_export(tmp: Path, name: str, for_vllm: bool, version: str = "0.1.0") -> Path:
+    """A published TorchSpec drafter config (verbatim fields) as TorchSpec's
+    tools/convert_to_hf.py exports it (lightseekorg/TorchSpec@6f21829c):
+    "_torchspec_version" added; with --vllm, midlayer.* weights renamed
+    layers.0.* and, for model_type kimi_k2, 1 added to the ids."""
+    from test_eagle3_layers_check import trainer_layout, write_header_only
+
+    cfg = json.loads((PUBLISHED / name / "config.json").read_text())
+    if for_vllm and cfg.get("model_type") == "kimi_k2":
+        nested = cfg.get("eagle_config") or {}
+        if TOP in nested:
+            nested[TOP] = [k + 1 for k in nested[TOP]]
+    cfg["_torchspec_version"] = version
+    layout = trainer_layout(cfg)
+    if for_vllm:
+        layout = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+                  for k, v in layout.items()}
+    d = tmp / f"{name}-{'vllm' if for_vllm else 'native'}-{version}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_header_only(d / "model.safetensors", layout)
+    return d
+
+
+def test_provenance_decides_the_numbering(user_venv: Path, tmp_path: Path) -> None:
+    """TorchSpec's --vllm export of its Kimi-K2.5 MLA drafter (model_type
+    kimi_k2) holds vLLM ids already: show and check say so, and convert
+    --from output-of-layer is refused, naming the field. Its native export
+    is numbered by output: check FAILs until it is converted, and convert
+    records that, which show then reads as vLLM's numbering."""
+    kimi = PUBLISHED / "moonshotai-kimi-k25-target"
+    name = "torchspec-kimi-k25-eagle3-mla"
+    shifted = torchspec_export(tmp_path, name, for_vllm=True)
+    show = command(user_venv, "show", str(shifted), "--target", str(kimi), cwd=tmp_path)
+    assert show.returncode == 0, show.stderr
+    assert "aux ids: [2, 30, 58]" in show.stdout
+    assert "numbering: input-of-layer (vLLM's; serve as is), by _torchspec_version" in \
+        show.stdout and "convert --from output-of-layer" not in show.stdout, show.stdout
+    check = command(user_venv, "check", str(shifted), "--target", str(kimi), cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr[-2000:]
+    assert "ok    numbering: input-of-layer" in check.stdout
+    assert "warn  ids only in eagle_config" not in check.stdout
+    before = (shifted / "config.json").read_bytes()
+    conv = command(user_venv, "convert", str(shifted), "--from", "output-of-layer",
+                   cwd=tmp_path)
+    assert conv.returncode == 2 and "_torchspec_version says the ids are numbered " \
+        "input-of-layer" in conv.stderr, conv.stderr
+    assert (shifted / "config.json").read_bytes() == before
+
+    native = torchspec_export(tmp_path, name, for_vllm=False)
+    check = command(user_venv, "check", str(native), "--target", str(kimi), cwd=tmp_path)
+    assert check.returncode == 1, check.stdout + check.stderr[-2000:]
+    fail = next(x for x in check.stdout.splitlines() if x.startswith("FAIL  aux ids"))
+    assert "[1, 29, 57] are numbered by output (_torchspec_version" in fail
+    assert f"fix: vllm-eagle3 convert {native} --from output-of-layer" in fail
+    conv = command(user_venv, "convert", str(native), "--from", "input-of-layer", cwd=tmp_path)
+    assert conv.returncode == 2 and "convert with --from output-of-layer" in conv.stderr
+    conv = command(user_venv, "convert", str(native), "--from", "output-of-layer",
+                   cwd=tmp_path)
+    assert conv.returncode == 0, conv.stderr
+    show = command(user_venv, "show", str(native), "--json", cwd=tmp_path)
+    data = json.loads(show.stdout)
+    assert data["aux_ids"] == [2, 30, 58]
+    assert data["provenance"]["field"] == CONVERTED
+    assert data["provenance"]["numbering"] == "input-of-layer"
+
+    # 0.0.1 exports came from before and after TorchSpec added the shift.
+    old = torchspec_export(tmp_path, name, for_vllm=True, version="0.0.1")
+    show = command(user_venv, "show", str(old), "--json", cwd=tmp_path)
+    assert json.loads(show.stdout)["provenance"]["numbering"] is None
+    # A Llama drafter (model_type llama): TorchSpec never shifts it.
+    llama = torchspec_export(tmp_path, "torchspec-kimi-k25-eagle3", for_vllm=True)
+    show = command(user_venv, "show", str(llama), "--json", cwd=tmp_path)
+    assert json.loads(show.stdout)["provenance"]["numbering"] == "output-of-layer"
+
+
+def test_check_without_weights_names_every_clash(user_venv: Path, tmp_path: Path) -> None:
+    """The published Qwen3-30B-A3B drafter (hidden 2048, vocab 151936)
+    against DeepSeek-R1 (7168, 129280), configs only: both clashes and the
+    missing weights, one line each."""
+    from test_eagle3_layers_check import DEEPSEEK_R1
+
+    d = tmp_path / "drafter"
+    d.mkdir()
+    shutil.copyfile(PUBLISHED / "specforge-qwen3-30b-a3b-eagle3.1" / "config.json",
+                    d / "config.json")
+    check = command(user_venv, "check", str(d), "--target", str(DEEPSEEK_R1), cwd=tmp_path)
+    assert check.returncode == 1, check.stdout + check.stderr[-2000:]
+    fails = [x for x in check.stdout.splitlines() if x.startswith("FAIL  ")]
+    assert any("reads target states of width 2048" in x for x in fails), check.stdout
+    assert any("vocab_size 151936 is not the target's 129280" in x for x in fails)
+    assert any("no safetensors weights" in x for x in fails)
+    assert check.stdout.rstrip().endswith(f"{len(fails)} problems: the pair does not fit")
+
+
+def test_out_of_range_ids_are_one_line(user_venv: Path, tmp_path: Path) -> None:
+    from test_eagle3_layers_check import DEEPSEEK_R1
+
+    d = tmp_path / "drafter"
+    d.mkdir()
+    cfg = json.loads((PUBLISHED / "specforge-deepseek-v3-671b-eagle3" / "config.json")
+                     .read_text())
+    cfg[TOP] = cfg["eagle_config"][TOP] = [2, 30, 62]
+    (d / "config.json").write_text(json.dumps(cfg))
+    check = command(user_venv, "check", str(d), "--target", str(DEEPSEEK_R1), cwd=tmp_path)
+    assert check.returncode == 1, check.stdout + check.stderr[-2000:]
+    lines = [x for x in check.stdout.splitlines() if "62" in x and x.startswith("FAIL")]
+    assert len(lines) == 1, check.stdout
+    assert ".;" not in check.stdout

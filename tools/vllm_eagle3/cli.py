@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._base import (CANNOT, OK, PROBLEM, ToolError, children_never_shadowed,
-                    drop_source_trees_from_path, dump_json, parse_ids)
+                    drop_source_trees_from_path, dump_json, parse_ids, quiet_libraries,
+                    refuse_swapped, resolve_checkpoint)
 
 PROG = "vllm-eagle3"
 EXIT = """exit status:
@@ -117,12 +118,29 @@ output:
 
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of the lines (the same fields)")
+                   help="print one JSON object instead of the lines (the same fields); an "
+                        "error is {\"error\": ...} on stdout, exit status 2")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="let vLLM's and transformers' own warnings through to stderr")
+
+
+def version() -> str:
+    """This command's version (the series wheel's), without importing vLLM."""
+    import importlib.metadata
+
+    if __package__ == "vllm_eagle3":
+        try:
+            return importlib.metadata.version("vllm-eagle3")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "from a clone (not installed)"
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog=prog, description=MAIN, formatter_class=fmt)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                    help="print the version (the series wheel's) and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="SUBCOMMAND")
 
     def add(name: str, text: str, summary: str, **exit_text: str) -> argparse.ArgumentParser:
@@ -139,6 +157,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     dp.add_argument("--target", type=Path, metavar="TARGET_DIR",
                     help="with --drafter: the target's checkpoint directory (its layer count "
                          "gives the default ids and the valid range)")
+    _add_json(dp)
 
     sp = add("show", SHOW, "which target layers vLLM feeds the drafter",
              ok="shown", problem="the ids are outside the target or not ascending "
@@ -178,6 +197,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cp.add_argument("--out", type=Path, metavar="DIR",
                     help="write a converted copy to this new directory instead of "
                          "converting in place")
+    _add_json(cp)
 
     lp = add("calibrate", CALIBRATE, "measure which layers the drafter was trained on",
              ok="a verdict: one reading wins by the margin",
@@ -223,20 +243,31 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # Before vLLM is imported: its log lines go to stderr (stdout is the
     # report, or the JSON), and only errors unless asked for more.
+    quiet_libraries(args.verbose)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if args.cmd == "doctor" else "ERROR")
+    if args.cmd == "doctor" and args.target is not None and args.drafter is None:
+        ap.error("doctor: --target needs --drafter (it gives the drafter's default ids)")
+    # DIR or org/name (from the local Hugging Face cache), checked before vLLM
+    # is imported; then every lookup is of a local path: none goes to the hub.
+    for what in ("drafter", "target"):
+        if getattr(args, what, None) is not None:
+            setattr(args, what, resolve_checkpoint(getattr(args, what), what))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if args.drafter is not None and args.target is not None:
+        refuse_swapped(args.drafter, args.target)
     if args.cmd == "doctor":
-        if args.target is not None and args.drafter is None:
-            ap.error("doctor: --target needs --drafter (it gives the drafter's default ids)")
         from .doctor import run as doctor
 
-        return doctor(args.drafter, args.target)
+        return doctor(args.drafter, args.target, as_json=args.json)
     if args.cmd in ("show", "convert"):
-        from .layers import convert, show_data, show_lines
+        from .layers import convert_data, show_data, show_lines
 
         if args.cmd == "convert":
-            print("\n".join(convert(args.drafter, args.convention, out=args.out,
-                                    target=args.target, ids=args.ids)))
+            done = convert_data(args.drafter, args.convention, out=args.out,
+                                target=args.target, ids=args.ids)
+            print(dump_json({k: v for k, v in done.items() if k != "lines"}) if args.json
+                  else "\n".join(done["lines"]))
             return OK
         data = show_data(args.drafter, args.target)
         print(dump_json(data) if args.json else "\n".join(show_lines(data)))
@@ -269,10 +300,14 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def run(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """The console script: errors in one line on stderr, exit status 2."""
     drop_source_trees_from_path()
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     try:
         return main(argv, prog)
     except ToolError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if as_json:
+            print(dump_json({"error": str(e), "exit_status": CANNOT}), flush=True)
+        else:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return CANNOT
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
