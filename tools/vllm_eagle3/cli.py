@@ -33,8 +33,11 @@ the target model (a GPU, or the CPU build).
   vllm-eagle3 convert DRAFTER --from output-of-layer  ids into vLLM's numbering
   vllm-eagle3 calibrate DRAFTER --target TARGET       which numbering, measured
 
-`vllm-eagle3 SUBCOMMAND --help` explains each one's arguments, output and
-exit status: 0 fits (or done), 1 a problem found, 2 could not check."""
+DRAFTER and TARGET: a checkpoint directory, or a Hugging Face repo id
+(org/name) already in the local cache (`huggingface-cli download org/name`;
+these tools never download). `vllm-eagle3 SUBCOMMAND --help` explains each
+one's arguments, output and exit status: 0 fits (or done), 1 a problem
+found, 2 could not check."""
 
 DOCTOR = """\
 Does the vLLM this Python imports carry the EAGLE-3 series? Asks vLLM itself
@@ -66,7 +69,11 @@ output:
   vLLM captures: input of layer a, ...
     equivalently: output of layer a-1, ...
     id   a: ... = ...                               one line per id
-  ids [...] are outside [0, N] / not strictly ascending   (problems)"""
+  ids [...] are outside [0, N] / not strictly ascending   (problems)
+  numbering: input-of-layer | output-of-layer | undetermined, by FIELD: why
+                        what the config records of the toolchain that wrote
+                        it (vllm_eagle3_converted, _torchspec_version,
+                        speculators_version), or that it records none"""
 
 CHECK = """\
 Preflight: does the drafter fit the target? Reads both configs through vLLM
@@ -80,22 +87,30 @@ output (one line per check):
   ok    WHAT                     a check passed
   warn  WHAT[; fix: FIX]         served, but worth a look (ids only nested,
                                  or none at all on a DeepSeek-family target)
+  ok|warn numbering: ...         the numbering the config's record implies
+                                 (a FAIL when the ids still need + 1)
   FAIL  PROBLEM; fix: FIX        the engine would refuse the pair, or serve it
                                  wrongly
-  the pair fits | N problems: the pair does not fit"""
+  the pair fits | N problems: the pair does not fit
+Without weights, every clash the configs show is a line, and the missing
+weights one more."""
 
 CONVERT = """\
 Write the drafter's ids in vLLM's numbering into config.json: top level, and
 into eagle_config where that holds ids. --from says how the config (or --ids)
 counts: output-of-layer adds 1 to each id, input-of-layer keeps them. The
 conversion is recorded in the config (vllm_eagle3_converted), and a converted
-config is refused, so ids are never shifted twice. In place it keeps
-config.json.orig; with --out it writes a copy (weights hard-linked).
+config is refused, so ids are never shifted twice; so is a --from that the
+config's record contradicts (_torchspec_version, speculators_version). In
+place it keeps config.json.orig; with --out it writes a copy whose files are
+hard links to what they resolve to (a Hugging Face snapshot's blobs), or
+copies across filesystems. config.json keeps its permission bits.
 
 output:
   DIR/config.json: eagle_aux_hidden_state_layer_ids = [...]
     from [...] (where) counted as CONVENTION: each id + 1 | unchanged
-    vLLM captures the inputs of layers [...] = outputs of layers [...]"""
+    vLLM captures the inputs of layers [...] = outputs of layers [...]
+    numbering: ... (as show)"""
 
 CALIBRATE = """\
 Which layers was the drafter trained on? Measures greedy acceptance (k = 3)
@@ -163,7 +178,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
              ok="shown", problem="the ids are outside the target or not ascending "
              "(the engine refuses them)", verb="read the configs")
     sp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json)")
+                    help="the drafter's checkpoint directory (config.json), or org/name in the "
+                         "Hugging Face cache")
     sp.add_argument("--target", type=Path, metavar="TARGET_DIR",
                     help="the target's checkpoint directory: gives n for the default ids and "
                          "the range check")
@@ -173,9 +189,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
              "safetensors headers only)", ok="the pair fits (warn lines may remain)",
              problem="a FAIL line: the pair does not fit", verb="check")
     kp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json, *.safetensors)")
+                    help="the drafter's checkpoint directory (config.json, *.safetensors), or "
+                         "org/name in the Hugging Face cache")
     kp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True,
-                    help="the target's checkpoint directory; config.json is all it needs")
+                    help="the target's checkpoint directory (or org/name in the Hugging Face "
+                         "cache); config.json is all it needs")
     kp.add_argument("--trust-remote-code", action="store_true",
                     help="let transformers run the checkpoints' own config code, as "
                          "`vllm serve --trust-remote-code` does")
@@ -185,7 +203,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
              ok="written", problem="(not used: a refusal writes nothing and exits 2)",
              verb="convert")
     cp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json)")
+                    help="the drafter's checkpoint directory (config.json), or org/name in the "
+                         "Hugging Face cache")
     cp.add_argument("--from", dest="convention", required=True,
                     choices=("output-of-layer", "input-of-layer"),
                     help="how the config's ids count: output-of-layer (SGLang, SpecForge, "

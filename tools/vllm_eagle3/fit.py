@@ -116,6 +116,18 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def one_line(e: Exception) -> str:
+    """vLLM's own sentence from an exception, in one line: pydantic's
+    wrapping (the field list, input_value, the errors URL) dropped."""
+    text = str(e)
+    if "Value error, " in text:
+        text = text.split("Value error, ", 1)[1].split(" [type=", 1)[0]
+    if "trust_remote_code=True" in text:
+        return ("its config is custom code (auto_map): pass --trust-remote-code, as "
+                "`vllm serve` needs it")
+    return " ".join(text.split())
+
+
 def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tuple[Any, Any]:
     """(target ModelConfig, SpeculativeConfig) as the engine builds them."""
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
@@ -124,13 +136,13 @@ def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tup
         tcfg = ModelConfig(model=str(target), tokenizer=str(target), skip_tokenizer_init=True,
                            dtype="auto", trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise ToolError(f"vLLM cannot read the target config {target}: {e}") from None
+        raise ToolError(f"vLLM cannot read the target config {target}: {one_line(e)}") from None
     try:
         spec = SpeculativeConfig(method="eagle3", model=str(drafter), num_speculative_tokens=3,
                                  target_model_config=tcfg,
                                  target_parallel_config=ParallelConfig())
     except Exception as e:
-        raise ToolError(f"vLLM refuses the drafter config {drafter}: {' '.join(str(e).split())}") from None
+        raise ToolError(f"vLLM refuses the drafter config {drafter}: {one_line(e)}") from None
     return tcfg, spec
 
 
