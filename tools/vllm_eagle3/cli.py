@@ -35,9 +35,10 @@ the target model (a GPU, or the CPU build).
 
 DRAFTER and TARGET: a checkpoint directory, or a Hugging Face repo id
 (org/name) already in the local cache (`huggingface-cli download org/name`;
-these tools never download). `vllm-eagle3 SUBCOMMAND --help` explains each
-one's arguments, output and exit status: 0 fits (or done), 1 a problem
-found, 2 could not check."""
+these tools never download).
+
+`vllm-eagle3 SUBCOMMAND --help` explains each one's arguments, output and
+exit status: 0 fits (or done), 1 a problem found, 2 could not check."""
 
 DOCTOR = """\
 Does the vLLM this Python imports carry the EAGLE-3 series? Asks vLLM itself
