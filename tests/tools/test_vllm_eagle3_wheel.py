@@ -400,8 +400,7 @@ def test_repo_ids_resolve_through_the_local_cache(user_venv: Path, tmp_path: Pat
         assert show.returncode == 0, show.stdout + show.stderr
         data = json.loads(show.stdout)
         assert data["drafter"] == str(snap) and data["aux_ids"] == [1, 29, 57]
-        # A local target without weights: no request (it used to be 28,
-        # retried for 107 s, unless HF_HUB_OFFLINE=1 was set).
+        # A local target without weights: no request either.
         check = command(user_venv, "check", "org/drafter", "--target", str(DEEPSEEK_R1),
                         cwd=tmp_path, env=env)
         assert check.returncode == 1 and "no safetensors weights" in check.stdout, \
