@@ -291,7 +291,8 @@ def test_provenance_decides_the_numbering(user_venv: Path, tmp_path: Path) -> No
     show = command(user_venv, "show", str(shifted), "--target", str(kimi), cwd=tmp_path)
     assert show.returncode == 0, show.stderr
     assert "aux ids: [2, 30, 58]" in show.stdout
-    assert "numbering: input-of-layer (vLLM's; serve as is), by _torchspec_version" in \
+    assert "numbering: input-of-layer (vLLM's; serve as is), as recorded: " \
+        "_torchspec_version 0.1.0, --vllm export" in \
         show.stdout and "convert --from output-of-layer" not in show.stdout, show.stdout
     check = command(user_venv, "check", str(shifted), "--target", str(kimi), cwd=tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr[-2000:]
@@ -308,7 +309,7 @@ def test_provenance_decides_the_numbering(user_venv: Path, tmp_path: Path) -> No
     check = command(user_venv, "check", str(native), "--target", str(kimi), cwd=tmp_path)
     assert check.returncode == 1, check.stdout + check.stderr[-2000:]
     fail = next(x for x in check.stdout.splitlines() if x.startswith("FAIL  aux ids"))
-    assert "[1, 29, 57] are numbered by output (_torchspec_version" in fail
+    assert "[1, 29, 57] are numbered by output (_torchspec_version 0.1.0, native" in fail
     assert f"fix: vllm-eagle3 convert {native} --from output-of-layer" in fail
     conv = command(user_venv, "convert", str(native), "--from", "input-of-layer", cwd=tmp_path)
     assert conv.returncode == 2 and "convert with --from output-of-layer" in conv.stderr

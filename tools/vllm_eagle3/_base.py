@@ -247,8 +247,8 @@ def provenance(cfg: dict[str, Any], directory: Path) -> dict[str, Any] | None:
     if isinstance(done := cfg.get(CONVERTED), dict):
         return {"toolchain": "vllm-eagle3", "field": CONVERTED, "value": done,
                 "numbering": "input-of-layer",
-                "why": f"vllm-eagle3 wrote vLLM ids (from {done.get('from')}, trained ids "
-                       f"{done.get('trained_ids')})"}
+                "why": f"{CONVERTED}: vllm-eagle3 wrote vLLM ids (from {done.get('from')}, "
+                       f"trained ids {done.get('trained_ids')})"}
     if TORCHSPEC in cfg:
         version, kimi = cfg[TORCHSPEC], cfg.get("model_type") == "kimi_k2"
         names, _ = weight_names(directory)
@@ -294,7 +294,7 @@ def provenance_line(p: dict[str, Any] | None) -> str:
     return ("numbering: " + ("input-of-layer (vLLM's; serve as is)" if n == "input-of-layer"
                              else "output-of-layer (vLLM id = id + 1)"
                              if n == "output-of-layer" else "undetermined")
-            + f", by {p['field']}: {p['why']}")
+            + f", as recorded: {p['why']}")
 
 
 REPO_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"

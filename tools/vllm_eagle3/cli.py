@@ -71,7 +71,7 @@ output:
     equivalently: output of layer a-1, ...
     id   a: ... = ...                               one line per id
   ids [...] are outside [0, N] / not strictly ascending   (problems)
-  numbering: input-of-layer | output-of-layer | undetermined, by FIELD: why
+  numbering: input-of-layer | output-of-layer | undetermined, as recorded: ...
                         what the config records of the toolchain that wrote
                         it (vllm_eagle3_converted, _torchspec_version,
                         speculators_version), or that it records none"""

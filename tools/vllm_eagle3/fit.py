@@ -409,8 +409,8 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
     prov = provenance(cfg, drafter)
     named = source.startswith(("top", "nested"))
     if prov is not None and prov["numbering"] == "output-of-layer" and named:
-        rep.fail(f"aux ids {list(ids)} are numbered by output ({prov['field']}: "
-                 f"{prov['why']}): served as they are, every state comes one layer early",
+        rep.fail(f"aux ids {list(ids)} are numbered by output ({prov['why']}): served as "
+                 "they are, every state comes one layer early",
                  f"vllm-eagle3 convert {drafter} --from output-of-layer")
     elif prov is not None:
         (rep.ok if prov["numbering"] else rep.warn)(provenance_line(prov))
