@@ -35,6 +35,8 @@ def check(site: str | None, expect: str, rc: int) -> None:
            for line in lines if line.startswith(("ok ", "MISSING "))}
     assert got == {Path(name).stem: expect for name in read_series()}, proc.stdout
     assert proc.returncode == rc
+    # On stock vLLM the summary names the wheel to install.
+    assert ("fix: install the series' wheel" in lines[-1]) == (expect == "MISSING"), lines[-1]
 
 
 def test_doctor_reports_every_patch():

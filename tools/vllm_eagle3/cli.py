@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._base import (CANNOT, OK, PROBLEM, ToolError, children_never_shadowed,
-                    drop_source_trees_from_path, dump_json, parse_ids)
+                    drop_source_trees_from_path, dump_json, parse_ids, quiet_libraries,
+                    refuse_swapped, resolve_checkpoint)
 
 PROG = "vllm-eagle3"
 EXIT = """exit status:
@@ -31,6 +32,10 @@ the target model (a GPU, or the CPU build).
   vllm-eagle3 check DRAFTER --target TARGET           does it fit its target?
   vllm-eagle3 convert DRAFTER --from output-of-layer  ids into vLLM's numbering
   vllm-eagle3 calibrate DRAFTER --target TARGET       which numbering, measured
+
+DRAFTER and TARGET: a checkpoint directory, or a Hugging Face repo id
+(org/name) already in the local cache (`huggingface-cli download org/name`;
+these tools never download).
 
 `vllm-eagle3 SUBCOMMAND --help` explains each one's arguments, output and
 exit status: 0 fits (or done), 1 a problem found, 2 could not check."""
@@ -65,7 +70,11 @@ output:
   vLLM captures: input of layer a, ...
     equivalently: output of layer a-1, ...
     id   a: ... = ...                               one line per id
-  ids [...] are outside [0, N] / not strictly ascending   (problems)"""
+  ids [...] are outside [0, N] / not strictly ascending   (problems)
+  numbering: input-of-layer | output-of-layer | undetermined, as recorded: ...
+                        what the config records of the toolchain that wrote
+                        it (vllm_eagle3_converted, _torchspec_version,
+                        speculators_version), or that it records none"""
 
 CHECK = """\
 Preflight: does the drafter fit the target? Reads both configs through vLLM
@@ -79,22 +88,30 @@ output (one line per check):
   ok    WHAT                     a check passed
   warn  WHAT[; fix: FIX]         served, but worth a look (ids only nested,
                                  or none at all on a DeepSeek-family target)
+  ok|warn numbering: ...         the numbering the config's record implies
+                                 (a FAIL when the ids still need + 1)
   FAIL  PROBLEM; fix: FIX        the engine would refuse the pair, or serve it
                                  wrongly
-  the pair fits | N problems: the pair does not fit"""
+  the pair fits | N problems: the pair does not fit
+Without weights, every clash the configs show is a line, and the missing
+weights one more."""
 
 CONVERT = """\
 Write the drafter's ids in vLLM's numbering into config.json: top level, and
 into eagle_config where that holds ids. --from says how the config (or --ids)
 counts: output-of-layer adds 1 to each id, input-of-layer keeps them. The
 conversion is recorded in the config (vllm_eagle3_converted), and a converted
-config is refused, so ids are never shifted twice. In place it keeps
-config.json.orig; with --out it writes a copy (weights hard-linked).
+config is refused, so ids are never shifted twice; so is a --from that the
+config's record contradicts (_torchspec_version, speculators_version). In
+place it keeps config.json.orig; with --out it writes a copy whose files are
+hard links to what they resolve to (a Hugging Face snapshot's blobs), or
+copies across filesystems. config.json keeps its permission bits.
 
 output:
   DIR/config.json: eagle_aux_hidden_state_layer_ids = [...]
     from [...] (where) counted as CONVENTION: each id + 1 | unchanged
-    vLLM captures the inputs of layers [...] = outputs of layers [...]"""
+    vLLM captures the inputs of layers [...] = outputs of layers [...]
+    numbering: ... (as show)"""
 
 CALIBRATE = """\
 Which layers was the drafter trained on? Measures greedy acceptance (k = 3)
@@ -117,12 +134,29 @@ output:
 
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of the lines (the same fields)")
+                   help="print one JSON object instead of the lines (the same fields); an "
+                        "error is {\"error\": ...} on stdout, exit status 2")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="let vLLM's and transformers' own warnings through to stderr")
+
+
+def version() -> str:
+    """This command's version (the series wheel's), without importing vLLM."""
+    import importlib.metadata
+
+    if __package__ == "vllm_eagle3":
+        try:
+            return importlib.metadata.version("vllm-eagle3")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "from a clone (not installed)"
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog=prog, description=MAIN, formatter_class=fmt)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                    help="print the version (the series wheel's) and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="SUBCOMMAND")
 
     def add(name: str, text: str, summary: str, **exit_text: str) -> argparse.ArgumentParser:
@@ -139,12 +173,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     dp.add_argument("--target", type=Path, metavar="TARGET_DIR",
                     help="with --drafter: the target's checkpoint directory (its layer count "
                          "gives the default ids and the valid range)")
+    _add_json(dp)
 
     sp = add("show", SHOW, "which target layers vLLM feeds the drafter",
              ok="shown", problem="the ids are outside the target or not ascending "
              "(the engine refuses them)", verb="read the configs")
     sp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json)")
+                    help="the drafter's checkpoint directory (config.json), or org/name in the "
+                         "Hugging Face cache")
     sp.add_argument("--target", type=Path, metavar="TARGET_DIR",
                     help="the target's checkpoint directory: gives n for the default ids and "
                          "the range check")
@@ -154,9 +190,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
              "safetensors headers only)", ok="the pair fits (warn lines may remain)",
              problem="a FAIL line: the pair does not fit", verb="check")
     kp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json, *.safetensors)")
+                    help="the drafter's checkpoint directory (config.json, *.safetensors), or "
+                         "org/name in the Hugging Face cache")
     kp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True,
-                    help="the target's checkpoint directory; config.json is all it needs")
+                    help="the target's checkpoint directory (or org/name in the Hugging Face "
+                         "cache); config.json is all it needs")
     kp.add_argument("--trust-remote-code", action="store_true",
                     help="let transformers run the checkpoints' own config code, as "
                          "`vllm serve --trust-remote-code` does")
@@ -166,7 +204,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
              ok="written", problem="(not used: a refusal writes nothing and exits 2)",
              verb="convert")
     cp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json)")
+                    help="the drafter's checkpoint directory (config.json), or org/name in the "
+                         "Hugging Face cache")
     cp.add_argument("--from", dest="convention", required=True,
                     choices=("output-of-layer", "input-of-layer"),
                     help="how the config's ids count: output-of-layer (SGLang, SpecForge, "
@@ -178,6 +217,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cp.add_argument("--out", type=Path, metavar="DIR",
                     help="write a converted copy to this new directory instead of "
                          "converting in place")
+    _add_json(cp)
 
     lp = add("calibrate", CALIBRATE, "measure which layers the drafter was trained on",
              ok="a verdict: one reading wins by the margin",
@@ -223,20 +263,31 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # Before vLLM is imported: its log lines go to stderr (stdout is the
     # report, or the JSON), and only errors unless asked for more.
+    quiet_libraries(args.verbose)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if args.cmd == "doctor" else "ERROR")
+    if args.cmd == "doctor" and args.target is not None and args.drafter is None:
+        ap.error("doctor: --target needs --drafter (it gives the drafter's default ids)")
+    # DIR or org/name (from the local Hugging Face cache), checked before vLLM
+    # is imported; then every lookup is of a local path: none goes to the hub.
+    for what in ("drafter", "target"):
+        if getattr(args, what, None) is not None:
+            setattr(args, what, resolve_checkpoint(getattr(args, what), what))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if args.drafter is not None and args.target is not None:
+        refuse_swapped(args.drafter, args.target)
     if args.cmd == "doctor":
-        if args.target is not None and args.drafter is None:
-            ap.error("doctor: --target needs --drafter (it gives the drafter's default ids)")
         from .doctor import run as doctor
 
-        return doctor(args.drafter, args.target)
+        return doctor(args.drafter, args.target, as_json=args.json)
     if args.cmd in ("show", "convert"):
-        from .layers import convert, show_data, show_lines
+        from .layers import convert_data, show_data, show_lines
 
         if args.cmd == "convert":
-            print("\n".join(convert(args.drafter, args.convention, out=args.out,
-                                    target=args.target, ids=args.ids)))
+            done = convert_data(args.drafter, args.convention, out=args.out,
+                                target=args.target, ids=args.ids)
+            print(dump_json({k: v for k, v in done.items() if k != "lines"}) if args.json
+                  else "\n".join(done["lines"]))
             return OK
         data = show_data(args.drafter, args.target)
         print(dump_json(data) if args.json else "\n".join(show_lines(data)))
@@ -269,10 +320,14 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def run(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """The console script: errors in one line on stderr, exit status 2."""
     drop_source_trees_from_path()
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     try:
         return main(argv, prog)
     except ToolError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if as_json:
+            print(dump_json({"error": str(e), "exit_status": CANNOT}), flush=True)
+        else:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return CANNOT
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

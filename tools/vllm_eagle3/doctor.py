@@ -318,37 +318,69 @@ def disable_by_batch_size_refused() -> str:
     return "refuses disable_by_batch_size, which the V1 engine ignores"
 
 
-def run(drafter: str | None = None, target: str | None = None) -> int:
-    """Print the report; the exit status (0 every patch present and vllm the
-    installed one, 1 a patch missing or vllm imported from a source tree, 2
-    vLLM cannot be imported)."""
+STOCK_FIX = ("install the series' wheel where you serve: pip install "
+             "dist/vllm-0.16.0+eagle3.*-manylinux_2_31_x86_64.whl (./build.sh writes it; "
+             "./build.sh --cpu the CPU build's dist/vllm_cpu-0.16.0+eagle3.*.whl)")
+
+
+def run(drafter: str | None = None, target: str | None = None, as_json: bool = False) -> int:
+    """Print the report (or, ``as_json``, one JSON object with the same
+    fields); the exit status (0 every patch present and vllm the installed
+    one, 1 a patch missing or vllm imported from a source tree, 2 vLLM
+    cannot be imported)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    lines: list[str] = []
+    data: dict = {"vllm": None, "version": None, "problems": [], "warnings": [],
+                  "patches": [], "present": 0, "total": len(CHECKS), "fix": None}
+
+    def emit(code: int) -> int:
+        print(json.dumps(data, indent=2) if as_json else "\n".join(lines), flush=True)
+        return code
+
     try:
         import vllm
     except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM"
-        print(f"vllm: cannot import ({type(e).__name__}: {e})")
-        return CANNOT
-    print(f"vllm: {Path(vllm.__file__).resolve().parent} (version {vllm.__version__})")
-    problems = 0
+        data["problems"].append(f"cannot import vllm ({type(e).__name__}: {e})")
+        data["fix"] = STOCK_FIX
+        lines.append(f"vllm: cannot import ({type(e).__name__}: {e}); fix: {STOCK_FIX}")
+        return emit(CANNOT)
+    data["vllm"] = str(Path(vllm.__file__).resolve().parent)
+    data["version"] = vllm.__version__
+    lines.append(f"vllm: {data['vllm']} (version {vllm.__version__})")
     if (why := source_tree_vllm()) is not None:
-        problems += 1
-        print(f"PROBLEM  {why}; fix: take that directory off PYTHONPATH, or start from "
-              "another directory (or with PYTHONSAFEPATH=1)")
+        fix = ("take that directory off PYTHONPATH, or start from another directory (or "
+               "with PYTHONSAFEPATH=1)")
+        data["problems"].append(f"{why}; fix: {fix}")
+        lines.append(f"PROBLEM  {why}; fix: {fix}")
     if (Path.cwd() / "vllm" / "__init__.py").is_file():
-        print(f"warn     {Path.cwd()} holds a vllm/ source tree: a `vllm serve` started here "
-              "imports it, not the installed vLLM, in its model-inspection child process "
-              "(`python -m vllm.model_executor.models.registry`); start vllm from another "
-              "directory, or with PYTHONSAFEPATH=1 (vllm-eagle3 sets it for itself)")
+        warn = (f"{Path.cwd()} holds a vllm/ source tree: a `vllm serve` started here "
+                "imports it, not the installed vLLM, in its model-inspection child process "
+                "(`python -m vllm.model_executor.models.registry`); start vllm from another "
+                "directory, or with PYTHONSAFEPATH=1 (vllm-eagle3 sets it for itself)")
+        data["warnings"].append(warn)
+        lines.append(f"warn     {warn}")
     missing = 0
     for patch, fn in CHECKS:
         try:
-            print(f"ok       {patch}: {fn()}")
+            what = fn()
         except Exception as e:  # noqa: BLE001 - each failure is reported, not raised
             missing += 1
-            print(f"MISSING  {patch}: {type(e).__name__}: {str(e)[:160]}")
-    print(f"summary: {len(CHECKS) - missing} of {len(CHECKS)} patches present")
+            what = f"{type(e).__name__}: {str(e)[:160]}"
+            lines.append(f"MISSING  {patch}: {what}")
+            data["patches"].append({"patch": patch, "present": False, "detail": what})
+        else:
+            lines.append(f"ok       {patch}: {what}")
+            data["patches"].append({"patch": patch, "present": True, "detail": what})
+    data["present"] = len(CHECKS) - missing
+    summary = f"summary: {len(CHECKS) - missing} of {len(CHECKS)} patches present"
+    if missing:
+        data["fix"] = STOCK_FIX
+        summary += f"; fix: {STOCK_FIX}"
+    lines.append(summary)
     if drafter:
-        from .layers import show
+        from .layers import show_data, show_lines
 
-        print("\n".join(show(Path(drafter), Path(target) if target else None)))
-    return PROBLEM if missing or problems else OK
+        shown = show_data(Path(drafter), Path(target) if target else None)
+        data["drafter"] = shown
+        lines.extend(show_lines(shown))
+    return emit(PROBLEM if missing or data["problems"] else OK)

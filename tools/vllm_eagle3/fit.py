@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ._base import (DEEPSEEK_FAMILY, DEFAULT_IDS_TEXT, NESTED, TOP, ToolError,
-                    default_aux_ids, device_problem, read_config, read_json)
+                    default_aux_ids, device_problem, provenance, provenance_line, read_config,
+                    read_json)
 from .layers import convert, set_ids_in_place, write_ids_copy
 
 # safetensors' dtype names (the header's "dtype" field).
@@ -115,6 +116,18 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def one_line(e: Exception) -> str:
+    """vLLM's own sentence from an exception, in one line: pydantic's
+    wrapping (the field list, input_value, the errors URL) dropped."""
+    text = str(e)
+    if "Value error, " in text:
+        text = text.split("Value error, ", 1)[1].split(" [type=", 1)[0]
+    if "trust_remote_code=True" in text:
+        return ("its config is custom code (auto_map): pass --trust-remote-code, as "
+                "`vllm serve` needs it")
+    return " ".join(text.split())
+
+
 def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tuple[Any, Any]:
     """(target ModelConfig, SpeculativeConfig) as the engine builds them."""
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
@@ -123,13 +136,13 @@ def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tup
         tcfg = ModelConfig(model=str(target), tokenizer=str(target), skip_tokenizer_init=True,
                            dtype="auto", trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise ToolError(f"vLLM cannot read the target config {target}: {e}") from None
+        raise ToolError(f"vLLM cannot read the target config {target}: {one_line(e)}") from None
     try:
         spec = SpeculativeConfig(method="eagle3", model=str(drafter), num_speculative_tokens=3,
                                  target_model_config=tcfg,
                                  target_parallel_config=ParallelConfig())
     except Exception as e:
-        raise ToolError(f"vLLM refuses the drafter config {drafter}: {' '.join(str(e).split())}") from None
+        raise ToolError(f"vLLM refuses the drafter config {drafter}: {one_line(e)}") from None
     return tcfg, spec
 
 
@@ -342,8 +355,6 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
                  "set architectures to LlamaForCausalLMEagle3 (Llama draft layer) or "
                  "Eagle3DeepseekV2ForCausalLM (DeepSeek MLA draft layer)")
         return _finish(rep)
-    for r in refusals:  # the engine's own message names the fix; the lines below say more
-        rep.fail(f"the engine refuses these aux ids at start: {r}", "see the aux id lines below")
     draft = spec.draft_model_config
     hf, text = draft.hf_config, tcfg.hf_text_config
     n, t_hidden, t_vocab = text.num_hidden_layers, tcfg.get_hidden_size(), text.vocab_size
@@ -373,6 +384,11 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
                  "was trained with (`show`, then `convert`)")
         return _finish(rep)
     bad = [k for k in ids if not 0 <= k <= n]
+    if not bad and list(ids) == sorted(set(ids)):
+        # The engine refuses ids the lines below pass: its own sentence, once.
+        for r in refusals:
+            rep.fail(f"the engine refuses these aux ids at start: {r.rstrip('. ')}",
+                     "keep the ids the drafter was trained with, in vLLM's numbering")
     if bad:
         rep.fail(f"aux ids {list(ids)} (from {source}) include {bad}, outside [0, {n}]",
                  "the ids are for another target, or numbered by output with the last "
@@ -389,7 +405,16 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
                  "a drafter trained on other layers drafts almost nothing",
                  f"put the training run's ids in the config (`convert --ids`), or run "
                  f"`calibrate` to measure which reading fits")
-    if source.startswith("nested"):
+    cfg = read_config(drafter, "drafter")
+    prov = provenance(cfg, drafter)
+    named = source.startswith(("top", "nested"))
+    if prov is not None and prov["numbering"] == "output-of-layer" and named:
+        rep.fail(f"aux ids {list(ids)} are numbered by output ({prov['why']}): served as "
+                 "they are, every state comes one layer early",
+                 f"vllm-eagle3 convert {drafter} --from output-of-layer")
+    elif prov is not None:
+        (rep.ok if prov["numbering"] else rep.warn)(provenance_line(prov))
+    if source.startswith("nested") and not (prov and prov["numbering"]):
         rep.warn(f"ids only in {NESTED}, which SGLang, SpecForge, TorchSpec training and "
                  f"ModelOpt number by output: as read, inputs of layers {list(ids)}; as outputs, "
                  f"vLLM ids {[k + 1 for k in ids]}. `calibrate` measures which, `convert` "
@@ -410,11 +435,12 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
                    + ", ".join(deepseek_eagle3._MLA_SHARED_FIELDS) + ")")
 
     headers = read_headers(drafter)
+    # Every clash the configs show, then the weights' own lines.
+    _check_tensors(rep, hf, headers, ids, t_hidden, t_vocab)
     if not headers:
         rep.fail(f"no safetensors weights in {drafter}", "download the weights "
                  "(*.safetensors, and model.safetensors.index.json if sharded)")
         return _finish(rep)
-    _check_tensors(rep, hf, headers, ids, t_hidden, t_vocab)
     for flag, fix_on in (("fc_norm", "fc_norm."), ("norm_before_fc", "input_norm.")):
         present = sorted(k for k in headers if _ckpt_key(k).startswith(fix_on))
         if getattr(hf, flag, False) and not present:
@@ -456,6 +482,8 @@ def _check_flags_honoured(rep: Report, hf: Any, model: Any, cls: type) -> None:
 
 def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
                    t_hidden: int, t_vocab: int) -> None:
+    """The sizes the configs imply against the target's, and (when there are
+    weights) against the tensors' shapes and dtypes."""
     by_key = {_ckpt_key(k): k for k in headers}
     h = hf.hidden_size
     field = "target_hidden_size" if getattr(hf, "target_hidden_size", None) else "hidden_size"
@@ -463,14 +491,16 @@ def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
     if hidden_in != t_hidden:
         rep.fail(f"the drafter reads target states of width {hidden_in} ({field}), the "
                  f"target's hidden size is {t_hidden}", "use a drafter for this target")
-    elif "embed_tokens.weight" not in by_key and h != t_hidden:
+    elif headers and "embed_tokens.weight" not in by_key and h != t_hidden:
         rep.fail(f"the checkpoint has no embed_tokens, so vLLM shares the target's "
                  f"({t_hidden} wide), but the drafter's hidden_size is {h}",
                  "get the drafter's own embed_tokens weights")
     else:
         rep.ok(f"hidden sizes: target states {t_hidden} wide, drafter hidden {h}")
     fc = by_key.get("fc.weight")
-    if fc is None:
+    if not headers:
+        pass
+    elif fc is None:
         rep.fail("the checkpoint has no fc.weight (the layer that fuses the aux states)",
                  "get the complete drafter checkpoint")
     elif rep.problems and headers[fc][0][-1] % t_hidden:
@@ -499,7 +529,7 @@ def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
                      f"implies {list(want)} (draft_vocab_size {dv}, vocab_size {vocab})",
                      "set draft_vocab_size to the size the drafter was trained with",
                      by_key[name])
-    if "d2t" not in by_key and dv != vocab:
+    if headers and "d2t" not in by_key and dv != vocab:
         rep.fail(f"draft_vocab_size {dv} != vocab_size {vocab} but there is no d2t tensor "
                  "to map draft ids to target ids", "get the d2t tensor the drafter was "
                  "trained with")
@@ -509,9 +539,12 @@ def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
                      "re-export the drafter's vocabulary mapping", by_key[name])
     if rep.problems == problems:
         rep.ok(f"vocabulary: draft {dv} of the target's {t_vocab}"
-               + (", d2t/t2d match" if "d2t" in by_key else ", no d2t (identity)"))
+               + ("" if not headers else ", d2t/t2d match" if "d2t" in by_key
+                  else ", no d2t (identity)"))
     odd = sorted({d for k, (_, d) in headers.items()
                   if _ckpt_key(k) not in ("d2t", "t2d")} - FLOATS)
+    if not headers:
+        return
     if odd and getattr(hf, "quantization_config", None) is None:
         rep.fail(f"weights stored as {odd} with no quantization_config: loaded as plain "
                  "floats, without their scales", "use an unquantized export of the drafter")

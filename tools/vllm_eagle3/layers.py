@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ._base import (CONVERTED, DEFAULT_IDS_TEXT, NESTED, TOP, ToolError, default_aux_ids,
-                    read_config, raw_ids, target_num_layers)
+                    provenance, provenance_line, read_config, raw_ids, target_num_layers)
 
 
 def describe(ids: Sequence[int], n: int | None) -> list[str]:
@@ -68,7 +69,7 @@ def show_data(drafter: Path, target: Path | None) -> dict[str, Any]:
     from vllm.transformers_utils.config import get_config
 
     drafter = Path(drafter)
-    read_config(drafter, "drafter")  # a malformed file is named with line and column
+    cfg = read_config(drafter, "drafter")  # a malformed file is named with line and column
     n = target_num_layers(target) if target is not None else None
     hf_config = get_config(str(drafter), trust_remote_code=False)
     try:
@@ -78,7 +79,8 @@ def show_data(drafter: Path, target: Path | None) -> dict[str, Any]:
     data: dict[str, Any] = {
         "drafter": str(drafter), "architectures": getattr(hf_config, "architectures", None),
         "target": None if target is None else str(target), "target_layers": n,
-        "aux_ids": None, "source": None, "captures": [], "problems": []}
+        "aux_ids": None, "source": None, "provenance": provenance(cfg, drafter),
+        "captures": [], "problems": []}
     if got is not None:
         ids, key = tuple(got[0]), got[1]
         data["source"] = ("nested " if key == NESTED else "top-level ") + key
@@ -110,7 +112,8 @@ def show_lines(data: dict[str, Any]) -> list[str]:
                    f"(0 = embedding output, {n} = last layer's output before the final norm)")
     if ids is None:
         return out + ["aux ids: none in the drafter's config; vLLM uses the target model's "
-                      f"default {DEFAULT_IDS_TEXT}: pass --target to see it"]
+                      f"default {DEFAULT_IDS_TEXT}: pass --target to see it",
+                      provenance_line(data["provenance"])]
     out.append(f"aux ids: {ids}  (source: {data['source']})")
     out.append("vLLM captures: " + ", ".join(
         "the final norm's input" if k == n else f"input of layer {k}" for k in ids))
@@ -118,8 +121,12 @@ def show_lines(data: dict[str, Any]) -> list[str]:
         "the embedding output" if k == 0 else f"output of layer {k - 1}" for k in ids))
     out.extend(describe(ids, n))
     out.extend(data["problems"])
-    out.append("A drafter trained on the output of layer k (SGLang, SpecForge, speculators "
-               "data generation) needs vLLM id k + 1: see `convert --from output-of-layer`.")
+    prov = data["provenance"]
+    out.append(provenance_line(prov))
+    if prov is None or prov["numbering"] != "input-of-layer":
+        out.append("A drafter trained on the output of layer k (SGLang, SpecForge, TorchSpec, "
+                   "speculators data generation) needs vLLM id k + 1: see `convert --from "
+                   "output-of-layer`.")
     return out
 
 
@@ -181,18 +188,23 @@ def write_ids_copy(drafter: Path, ids: Sequence[int], out: Path) -> Path:
     nested = cfg.get("eagle_config")
     if isinstance(nested, dict) and TOP in nested:
         new["eagle_config"] = {**nested, TOP: list(ids)}
-    shutil.copytree(drafter, out, copy_function=_link_or_copy, symlinks=True)
-    _write_json_atomic(out / "config.json", new)
+    copy_checkpoint(drafter, out)
+    _write_json_atomic(out / "config.json", new, like=drafter / "config.json")
     return out
 
 
-def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    # A new file renamed over the old one: never writes through a hard link
-    # that --out made to the source's config.json.
+def _write_json_atomic(path: Path, obj: dict[str, Any], like: Path) -> None:
+    """``obj`` as ``path``, with the permission bits of ``like`` (the config
+    it replaces: a server running as another user reads it as before).
+    A new file renamed over the old one: never writes through a hard link
+    that --out made to the source's config.json, nor through a symlink into
+    a Hugging Face cache's blobs."""
+    mode = stat.S_IMODE(Path(like).stat().st_mode)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config.", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(obj, indent=2) + "\n")
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -200,15 +212,33 @@ def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
 
 
 def _link_or_copy(src: str, dst: str) -> str:
+    """``dst`` holds ``src``'s bytes: a hard link to the file ``src``
+    resolves to (a Hugging Face snapshot's files are relative symlinks into
+    ../../blobs, which would point nowhere from ``dst``), or a copy with
+    its permission bits where the filesystem cannot link (another device)."""
+    real = os.path.realpath(src)
     try:
-        os.link(src, dst)
+        os.link(real, dst)
     except OSError:
-        shutil.copy2(src, dst)
+        shutil.copy2(real, dst)
     return dst
+
+
+def copy_checkpoint(drafter: Path, out: Path) -> None:
+    """A copy of the checkpoint directory with real files: symlinks (to
+    files or directories) are followed, files hard-linked where possible."""
+    shutil.copytree(drafter, out, copy_function=_link_or_copy, symlinks=False)
 
 
 def convert(drafter: Path, convention: str, *, out: Path | None = None,
             target: Path | None = None, ids: tuple[int, ...] | None = None) -> list[str]:
+    return convert_data(drafter, convention, out=out, target=target, ids=ids)["lines"]
+
+
+def convert_data(drafter: Path, convention: str, *, out: Path | None = None,
+                 target: Path | None = None, ids: tuple[int, ...] | None = None
+                 ) -> dict[str, Any]:
+    """Convert; what ``convert --json`` prints, with the lines under "lines"."""
     drafter = Path(drafter)
     config_path = drafter / "config.json"
     cfg = read_config(drafter, "drafter")
@@ -218,6 +248,14 @@ def convert(drafter: Path, convention: str, *, out: Path | None = None,
             f"trained ids {done.get('trained_ids')}): its ids are vLLM's already, and "
             "converting again would shift them twice. To redo the conversion, set the ids "
             f"back to {done.get('trained_ids')} and delete {CONVERTED}")
+    prov = provenance(cfg, drafter)
+    if prov is not None and prov["numbering"] not in (None, convention):
+        raise ToolError(
+            f"{config_path}: {prov['field']} says the ids are numbered {prov['numbering']} "
+            f"({prov['why']}), not {convention} as --from says: "
+            + ("they are vLLM's already, and converting would shift them twice; serve it "
+               "as is" if prov["numbering"] == "input-of-layer" else
+               "convert with --from output-of-layer"))
     n = target_num_layers(target) if target is not None else None
     trained, vllm_ids, origin = converted_ids(raw_ids(cfg, config_path), ids, convention, n,
                                               config_path)
@@ -240,16 +278,21 @@ def convert(drafter: Path, convention: str, *, out: Path | None = None,
             raise ToolError(f"{out} exists: --out must name a new directory")
         if out.resolve().is_relative_to(drafter.resolve()):
             raise ToolError(f"--out {out} is inside the drafter directory {drafter}")
-        shutil.copytree(drafter, out, copy_function=_link_or_copy, symlinks=True)
+        copy_checkpoint(drafter, out)
         dest, kept = out / "config.json", f"{drafter} unchanged"
-    _write_json_atomic(dest, new)
-    return [
+    _write_json_atomic(dest, new, like=config_path)
+    lines = [
         f"{dest}: {TOP} = {list(vllm_ids)}" + (" (and in eagle_config)" if nested_too else ""),
         f"  from {list(trained)} ({origin}) counted as {convention}"
         + (": each id + 1" if convention == "output-of-layer" else ": unchanged"),
         f"  vLLM captures the inputs of layers {list(vllm_ids)} = outputs of layers "
         f"{[k - 1 for k in vllm_ids]}; {kept}",
+        "  " + provenance_line(prov),
     ]
+    return {"config": str(dest), "aux_ids": list(vllm_ids), "trained_ids": list(trained),
+            "trained_ids_from": origin, "from": convention, "nested_too": nested_too,
+            "original": str(drafter / "config.json.orig") if out is None else str(drafter),
+            "provenance": prov, "lines": lines}
 
 
 
@@ -271,5 +314,5 @@ def set_ids_in_place(drafter: Path, ids: Sequence[int], *, how: str) -> list[str
     if isinstance(nested, dict) and TOP in nested:
         new["eagle_config"] = {**nested, TOP: list(ids)}
     shutil.copy2(config_path, backup)
-    _write_json_atomic(config_path, new)
+    _write_json_atomic(config_path, new, like=config_path)
     return [f"{config_path}: {TOP} = {list(ids)} ({how}); original kept as {backup}"]

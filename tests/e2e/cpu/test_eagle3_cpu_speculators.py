@@ -232,3 +232,30 @@ def test_engine_capture_with_converted_ids_equals_speculators_data(
     record_property("max_abs_engine_vs_speculators", worst)
     print(f"\n{target['name']}: max |engine(L+1) - speculators(L)| = {worst:.2e}")
     assert worst <= ATOL
+
+
+def test_speculators_version_decides_the_numbering(
+    target: dict[str, Any], spec_drafter: dict[str, Path],
+) -> None:
+    """The config speculators' own converter writes records
+    speculators_version; its ids are numbered by output (the test above), so
+    vllm-eagle3 says so, and refuses to keep them as vLLM ids."""
+    def tool(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tools.eagle3_layers", *args],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+    written = spec_drafter["written"]
+    before = (written / "config.json").read_bytes()
+    show = tool("show", str(written), "--json")
+    assert show.returncode == 0, show.stderr
+    prov = json.loads(show.stdout)["provenance"]
+    assert (prov["field"], prov["value"], prov["numbering"]) == (
+        "speculators_version", SPECULATORS_VERSION, "output-of-layer")
+    proc = tool("convert", str(written), "--from", "input-of-layer")
+    assert proc.returncode == 2
+    assert "speculators_version says the ids are numbered output-of-layer" in proc.stderr
+    assert (written / "config.json").read_bytes() == before
+    # What `convert --from output-of-layer` wrote is vLLM's, by its own record.
+    show = tool("show", str(spec_drafter["converted"]), "--json")
+    prov = json.loads(show.stdout)["provenance"]
+    assert (prov["field"], prov["numbering"]) == ("vllm_eagle3_converted", "input-of-layer")
