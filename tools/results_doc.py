@@ -470,7 +470,7 @@ CLAIMS = [
           "python tools/gpu_harness/bench_eagle3.py cache --artifacts A --out DIR --tag without-compile-cache-patch",
           _cache),
     Claim("kernels", "vLLM's own kernels and DeepGEMM built cold on the H200 (16 cores)",
-          "2026-12-02_h200_kernels_build_call50.json", "the pinned sdist's CMake, sm_90a, the subset in `SUBSET`",
+          "2026-12-02_h200_kernels_build_call50.json", f"{BUILT}; the pinned sdist's CMake, sm_90a, the subset in `SUBSET`",
           "python3 tools/gpu_harness/kernels.py build --out DIR -j 16", _kernels, _kernels_readme),
     Claim("fulldepth", "Kimi-K2.5 INT4, one TP-8 rank's share of all 61 layers: EAGLE-3 speed-up",
           "2026-12-03_h200_fulldepth_kimi_k25_int4_summary.json",
