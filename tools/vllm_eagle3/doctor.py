@@ -318,6 +318,18 @@ def disable_by_batch_size_refused() -> str:
     return "refuses disable_by_batch_size, which the V1 engine ignores"
 
 
+@check("Spec-Decode-Prepare-async-spec-decode-steps-without-")
+def async_spec_no_wait() -> str:
+    from vllm.v1.spec_decode.utils import correct_optimistic_spec_decode_inputs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert callable(correct_optimistic_spec_decode_inputs)
+    source = inspect.getsource(GPUModelRunner._update_states)
+    assert "optimistic" in source, "_update_states still waits for the accepted counts"
+    return ("async scheduling + EAGLE: steps prepared without waiting for the "
+            "previous step's accepted counts, corrected on the device")
+
+
 def run(drafter: str | None = None, target: str | None = None) -> int:
     """Print the report; the exit status (0 every patch present and vllm the
     installed one, 1 a patch missing or vllm imported from a source tree, 2
