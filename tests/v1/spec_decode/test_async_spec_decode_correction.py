@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from vllm.v1.spec_decode.utils import correct_optimistic_spec_decode_inputs
 
 PAD_POSITION = -7  # positions/slots past num_tokens must stay untouched
@@ -72,7 +74,7 @@ def _batch(rng: random.Random, num_reqs: int, num_spec: int, block_sizes):
     return reqs, tables, valid_counts
 
 
-def _run(reqs, tables, valid_counts):
+def _run(reqs, tables, valid_counts, device="cpu"):
     num_reqs = len(reqs)
     # What the CPU prepares: the scheduler's optimistic num_computed_tokens,
     # which counts every assumed draft as accepted.
@@ -98,10 +100,15 @@ def _run(reqs, tables, valid_counts):
         )
         groups.append((torch.tensor(rows, dtype=torch.int32), bs, slots))
 
+    def dev(t):
+        return t.to(device)
+
+    positions, seq_lens, query_start_loc = dev(positions), dev(seq_lens), dev(query_start_loc)
+    groups = [(dev(table), bs, dev(slots)) for table, bs, slots in groups]
     correct_optimistic_spec_decode_inputs(
-        torch.tensor([r["prev"] for r in reqs], dtype=torch.int64),
-        torch.tensor([r["assumed"] for r in reqs], dtype=torch.int32),
-        torch.tensor(valid_counts, dtype=torch.int32),
+        dev(torch.tensor([r["prev"] for r in reqs], dtype=torch.int64)),
+        dev(torch.tensor([r["assumed"] for r in reqs], dtype=torch.int32)),
+        dev(torch.tensor(valid_counts, dtype=torch.int32)),
         query_start_loc,
         num_tokens,
         seq_lens,
@@ -187,6 +194,8 @@ def test_cpu_state_correction_matches_synchronous_path(seed):
     batch_rows = list(range(num_reqs))
     rng.shuffle(batch_rows)  # condense/reorder moved them
     num_computed_cpu = np.zeros(num_reqs + 2, dtype=np.int32)
+    # the step's seq_lens as prepared (one token scheduled per request)
+    seq_lens_cpu = torch.zeros(num_reqs + 2, dtype=torch.int32)
     for i in range(num_reqs):
         req_id = f"r{i}"
         drafts = rng.randint(1, 4)
@@ -209,6 +218,7 @@ def test_cpu_state_correction_matches_synchronous_path(seed):
         state = SimpleNamespace(num_computed_tokens=scheduler_computed,
                                 output_token_ids=out)
         num_computed_cpu[batch_rows[i]] = scheduler_computed
+        seq_lens_cpu[batch_rows[i]] = scheduler_computed + 1
         optimistic_reqs.append(gmr._OptimisticSpecRequest(
             req_id, state, prev_rows[i], drafts, len(base), num_output_tokens))
 
@@ -218,7 +228,9 @@ def test_cpu_state_correction_matches_synchronous_path(seed):
         input_batch=SimpleNamespace(
             req_id_to_index={f"r{i}": batch_rows[i] for i in range(num_reqs)},
             num_computed_tokens_cpu=num_computed_cpu,
+            num_reqs=num_reqs,
         ),
+        seq_lens=SimpleNamespace(cpu=seq_lens_cpu),
     )
     gmr.GPUModelRunner._correct_optimistic_spec_state(fake_runner)
 
@@ -228,3 +240,58 @@ def test_cpu_state_correction_matches_synchronous_path(seed):
         assert req.req_state.num_computed_tokens == exp_computed
         assert req.req_state.output_token_ids == exp_out
         assert num_computed_cpu[batch_rows[i]] == exp_computed
+        # what the drafter reads after the forward: exact, in a copy
+        assert fake_runner._spec_exact_seq_lens_cpu[batch_rows[i]] == exp_computed + 1
+        assert seq_lens_cpu[batch_rows[i]] == req.req_state.num_computed_tokens + 1 + (
+            req.assumed_num_accepted - (valid_counts[prev_rows[i]] - 1))
+
+
+class RefuseHostSync(TorchDispatchMode):
+    """Fails any op that makes the host wait for the device: reading a value
+    (.item(), int(), bool(), what .tolist() does on a device tensor),
+    data-dependent shapes (nonzero, masked_select, unique) and copies to the
+    host. Counts the ops it let through."""
+
+    REFUSED = {
+        torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero,
+        torch.ops.aten.masked_select, torch.ops.aten._unique2,
+        torch.ops.aten.unique_consecutive, torch.ops.aten.unique_dim,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in self.REFUSED:
+            raise AssertionError(f"host sync in the correction: {func}")
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+            src = args[1] if func.overloadpacket is torch.ops.aten.copy_ else args[0]
+            dst = (args[0].device if func.overloadpacket is torch.ops.aten.copy_
+                   else kwargs.get("device") or src.device)
+            if torch.device(dst).type == "cpu" and src.device.type != "cpu":
+                raise AssertionError(f"device-to-host copy in the correction: {func}")
+        self.ops += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_correction_never_waits_for_the_device(seed):
+    """The correction runs while the previous step is still on the device;
+    a host read in it brings back the wait the change removes. On meta
+    tensors (shapes, no data) any read of a value fails, .tolist() and
+    .numpy() included; the dispatch mode fails the reads and
+    data-dependent ops that do not need the data to be absent. On CPU
+    tensors the same mode lets the real computation through."""
+    rng = random.Random(seed)
+    batch = _batch(rng, num_reqs=rng.randint(2, 10), num_spec=3, block_sizes=(16, 4))
+    for device in ("meta", "cpu"):
+        with RefuseHostSync() as mode:
+            num_tokens, positions, seq_lens, groups = _run(*batch, device=device)
+        assert mode.ops > 0
+        assert positions.device.type == seq_lens.device.type == device
+    # The CPU run under the mode still computes the synchronous path's values.
+    exp_positions, exp_seq_lens, exp_slots = _expected(batch[0], batch[1])
+    assert positions[:num_tokens].tolist() == exp_positions
+    assert [g[2][:num_tokens].tolist() for g in groups] == exp_slots
