@@ -1,103 +1,94 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker-side checks for test_eagle3_async_spec_decode.py, sent to the
+"""Worker-side probe for test_eagle3_async_spec_decode.py, sent to the
 engine's worker with collective_rpc (a module of its own, importable by name
 in the engine process, which gets this directory on sys.path).
 
-install_checks(worker) wraps the model runner so that every step prepared
-without waiting for the previous step's accepted counts is checked, after the
-device correction, against v0.16.0's synchronous formulas evaluated on the
-CPU: num_computed_tokens = optimistic - rejected drafts, positions and
-seq_lens from it, slot = block_table[req, pos // block_size] * block_size +
-pos % block_size (BlockTable.compute_slot_mapping without context
-parallelism). It also counts the waits for accepted counts made while a step
-is being prepared (_update_states), which the patch removes."""
+install_sync_probe(worker) wraps the model runner so that every step is
+prepared under torch.cuda.set_sync_debug_mode("warn"): from the start of
+execute_model (_update_states, _prepare_inputs with its device correction,
+the attention metadata) until the forward is launched (_model_forward), where
+the mode is switched off again. Every synchronizing CUDA call in that stretch
+is recorded with the Python line that made it, per step, with the step's
+kind: whether it was prepared without waiting for the previous step's
+accepted counts (the runner's _optimistic_spec_reqs after _update_states)
+and whether it has prefill rows. Nothing here synchronizes the device.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+MAX_RECORDED = 40
 
-def install_checks(worker) -> dict[str, Any]:
-    import numpy as np
+
+def install_sync_probe(worker) -> dict[str, Any]:
+    import warnings
+
     import torch
 
     mr = worker.model_runner
     stats: dict[str, Any] = {
         "use_async_spec_decode": bool(getattr(mr, "use_async_spec_decode", False)),
-        "corrected_steps": 0,
-        "requests_corrected": 0,
-        "requests_with_rejections": 0,
-        "rejected_drafts": 0,
-        "tokens_checked": 0,
-        "requests_moved_rows": 0,
-        "mismatches": [],
-        "waits_while_preparing": 0,
+        "steps": 0,
+        "optimistic_steps": 0,
+        "optimistic_decode_steps": 0,
+        "syncs": [],  # first MAX_RECORDED: {step, optimistic, prefill, where, message}
+        "syncs_in_optimistic_decode_steps": 0,
+        "syncs_in_other_steps": 0,
     }
-    mr._async_spec_check_stats = stats
-    state = {"in_update_states": False}
+    mr._sync_probe_stats = stats
+    state: dict[str, Any] = {"optimistic": False}
 
-    orig_update_states = mr._update_states
+    orig_execute = mr.execute_model
+    orig_prepare = mr._prepare_inputs
+    orig_forward = mr._model_forward
 
-    def update_states(scheduler_output):
-        state["in_update_states"] = True
-        try:
-            return orig_update_states(scheduler_output)
-        finally:
-            state["in_update_states"] = False
+    def prepare_inputs(scheduler_output, *args, **kwargs):
+        # _update_states has run: its optimistic requests are known.
+        state["optimistic"] = bool(getattr(mr, "_optimistic_spec_reqs", None))
+        return orig_prepare(scheduler_output, *args, **kwargs)
 
-    orig_get_counts = mr._get_valid_sampled_token_count
+    def model_forward(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)  # the prepared path ends here
+        return orig_forward(*args, **kwargs)
 
-    def get_counts():
-        if (
-            state["in_update_states"]
-            and mr.valid_sampled_token_count_event is not None
-            and mr.input_batch.prev_sampled_token_ids is not None
-        ):
-            stats["waits_while_preparing"] += 1
-        return orig_get_counts()
+    def execute_model(scheduler_output, *args, **kwargs):
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        prefill = bool(scheduler_output.scheduled_new_reqs) or any(
+            n != 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
+        state["optimistic"] = False
+        step = stats["steps"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return orig_execute(scheduler_output, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                syncs = [w for w in caught if "synchroniz" in str(w.message)]
+                stats["steps"] += 1
+                stats["optimistic_steps"] += int(state["optimistic"])
+                decode = state["optimistic"] and not prefill
+                stats["optimistic_decode_steps"] += int(decode)
+                key = "syncs_in_optimistic_decode_steps" if decode else "syncs_in_other_steps"
+                stats[key] += len(syncs)
+                for w in syncs:
+                    if len(stats["syncs"]) < MAX_RECORDED:
+                        stats["syncs"].append({
+                            "step": step, "optimistic": state["optimistic"], "prefill": prefill,
+                            "where": f"{w.filename}:{w.lineno}", "message": str(w.message)[:200]})
 
-    orig_correct = getattr(mr, "_correct_optimistic_spec_inputs", None)
-
-    def correct(num_reqs: int, num_tokens: int) -> None:
-        orig_correct(num_reqs, num_tokens)
-        torch.cuda.synchronize()
-        valid = mr.valid_sampled_token_count_gpu.cpu().tolist()
-        rejected = np.zeros(num_reqs, dtype=np.int64)
-        for req in mr._optimistic_spec_reqs:
-            i = mr.input_batch.req_id_to_index[req.req_id]
-            rejected[i] = req.assumed_num_accepted - (valid[req.prev_req_index] - 1)
-            stats["requests_corrected"] += 1
-            stats["requests_with_rejections"] += int(rejected[i] > 0)
-            stats["rejected_drafts"] += int(rejected[i])
-            stats["requests_moved_rows"] += int(i != req.prev_req_index)
-        qsl = mr.query_start_loc.np[: num_reqs + 1]
-        req_of_token = np.repeat(np.arange(num_reqs), np.diff(qsl))
-        # The CPU halves still hold what the CPU prepared (optimistic).
-        exp_seq_lens = mr.seq_lens.np[:num_reqs].astype(np.int64) - rejected
-        exp_positions = mr.positions.np[:num_tokens] - rejected[req_of_token]
-        got = {
-            "seq_lens": (mr.seq_lens.gpu[:num_reqs].cpu().numpy(), exp_seq_lens),
-            "positions": (mr.positions.gpu[:num_tokens].cpu().numpy(), exp_positions),
-        }
-        for g, bt in enumerate(mr.input_batch.block_table.block_tables):
-            blocks = bt.block_table.np[req_of_token, exp_positions // bt.block_size]
-            exp_slots = blocks.astype(np.int64) * bt.block_size + exp_positions % bt.block_size
-            got[f"slot_mapping[{g}]"] = (bt.slot_mapping.gpu[:num_tokens].cpu().numpy(), exp_slots)
-        for name, (have, want) in got.items():
-            if not np.array_equal(have.astype(np.int64), want.astype(np.int64)):
-                if len(stats["mismatches"]) < 5:
-                    stats["mismatches"].append(
-                        {"step": stats["corrected_steps"], "what": name,
-                         "got": have.tolist(), "expected": want.tolist()})
-        stats["corrected_steps"] += 1
-        stats["tokens_checked"] += num_tokens
-
-    mr._update_states = update_states
-    mr._get_valid_sampled_token_count = get_counts
-    if orig_correct is not None:
-        mr._correct_optimistic_spec_inputs = correct
+    mr.execute_model = execute_model
+    mr._prepare_inputs = prepare_inputs
+    mr._model_forward = model_forward
     return dict(stats)
 
 
-def read_checks(worker) -> dict[str, Any]:
-    return dict(worker.model_runner._async_spec_check_stats)
+def read_sync_probe(worker) -> dict[str, Any]:
+    return dict(worker.model_runner._sync_probe_stats)
+
+
+def remove_sync_probe(worker) -> None:
+    mr = worker.model_runner
+    for name in ("execute_model", "_prepare_inputs", "_model_forward"):
+        mr.__dict__.pop(name, None)
