@@ -326,6 +326,8 @@ def async_spec_no_wait() -> str:
     assert callable(correct_optimistic_spec_decode_inputs)
     source = inspect.getsource(GPUModelRunner._update_states)
     assert "optimistic" in source, "_update_states still waits for the accepted counts"
+    assert hasattr(GPUModelRunner, "_drafter_seq_lens_cpu"), (
+        "an older version: the drafter reads the optimistic seq_lens")
     return ("async scheduling + EAGLE: steps prepared without waiting for the "
             "previous step's accepted counts, corrected on the device")
 
