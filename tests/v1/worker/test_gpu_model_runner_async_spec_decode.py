@@ -27,6 +27,7 @@ input_fits_in_drafter).
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -86,8 +87,8 @@ def one_pp_stage(monkeypatch):
     # The runner asks the pipeline-parallel group whether it is the last
     # stage; a single process has one stage and no process group.
     monkeypatch.setattr(
-        gmr, "get_pp_group", lambda: SimpleNamespace(is_first_rank=True, is_last_rank=True)
-    )
+        gmr, "get_pp_group",
+        lambda: SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1))
 
 
 @pytest.fixture
@@ -282,7 +283,7 @@ def run_step(runner: GPUModelRunner, sched: SchedulerOutput) -> dict:
     }
     if cm is not None:
         after["drafter_max_seq_len"] = runner._spec_max_seq_len(cm)
-    return {"prepared": prepared, "after_forward": after}
+    return {"prepared": prepared, "after_forward": after, "metadata": cm}
 
 
 def finish_step(runner: GPUModelRunner, sched: SchedulerOutput, accepted: dict[str, int]):
@@ -330,7 +331,7 @@ STEPS = [
 ]
 
 
-def drive(runner: GPUModelRunner) -> list[dict]:
+def drive(runner: GPUModelRunner, after_step=None) -> list[dict]:
     reqs: dict[str, Req] = {}
     running: list[Req] = []
     records = []
@@ -345,6 +346,8 @@ def drive(runner: GPUModelRunner) -> list[dict]:
         running += [reqs[r] for r in resumed]
         sched = schedule(step, running, new_reqs, finished, resumed, drafts)
         records.append(run_step(runner, sched))
+        if after_step is not None:
+            after_step(step, runner, sched, records[-1]["metadata"])
         finish_step(runner, sched, accepted)
         # The test's bookkeeping of the truth, for the next schedule.
         for r in running + new_reqs:
@@ -424,3 +427,70 @@ def test_layouts_the_correction_does_not_cover_keep_the_wait(make_config, one_pp
     if case == "mrope":
         assert runner.uses_mrope
     assert not runner.use_async_spec_decode
+
+
+class Stop(Exception):
+    pass
+
+
+def drafter_branch(runner: GPUModelRunner, sched: SchedulerOutput, cm, limit: int):
+    """sample_tokens after a step, up to the drafter's first call: with
+    input_fits_in_drafter the runner's propose_draft_token_ids calls
+    prepare_next_token_ids_padded, otherwise (near the drafter's
+    max_model_len) sample_tokens calls it itself. Either way it gets the
+    CPU seq_lens the backup tokens are read at. Returns the caller and
+    those seq_lens; the sampler and that drafter method are stand-ins, the
+    latter stops the step."""
+    num_reqs = runner.input_batch.num_reqs
+    seen = {}
+
+    def prepare_next_token_ids_padded(seq_lens_cpu, *args, **kwargs):
+        seen["caller"] = sys._getframe(1).f_code.co_name
+        seen["seq_lens"] = seq_lens_cpu[:num_reqs].tolist()
+        raise Stop
+
+    runner.effective_drafter_max_model_len = limit
+    runner._sample = lambda logits, md: SimpleNamespace(
+        sampled_token_ids=torch.zeros(num_reqs, 1 + K, dtype=torch.int32), logprobs_tensors=None)
+    runner._update_states_after_model_execute = lambda *args: None
+    runner.drafter.prepare_next_token_ids_padded = prepare_next_token_ids_padded
+    runner.execute_model_state = (sched, None, None, cm, None, None, None, None, None, None)
+    with pytest.raises(Stop):
+        runner.sample_tokens(None)
+    return seen["caller"], seen["seq_lens"]
+
+
+@pytest.mark.parametrize("room", [0, -1])
+def test_drafter_reads_the_exact_seq_lens_after_an_optimistic_step(make_config, one_pp_stage,
+                                                                   room):
+    """After an optimistic step, sample_tokens decides whether the drafter
+    fits (input_fits_in_drafter) and reads the backup tokens from the exact
+    CPU seq_lens, as the synchronous path does: at a drafter max_model_len of
+    exactly the step's longest sequence + k (room 0) the drafter runs; one
+    less (room -1), it does not and the backup tokens are read at the
+    synchronous path's seq_lens. The optimistic lengths, which count the
+    rejected drafts of the step before, would skip the drafter at room 0."""
+    synchronous = build_runner(make_config())
+    synchronous.use_async_spec_decode = False
+    want: dict = {}
+
+    def sync_branch(step, runner, sched, cm):
+        if step == len(STEPS) - 1:
+            want["max_seq_len"] = cm.max_seq_len
+            want["branch"] = drafter_branch(runner, sched, cm, cm.max_seq_len + K + room)
+
+    drive(synchronous, sync_branch)
+    optimistic = build_runner(make_config())
+    got: dict = {}
+
+    def opt_branch(step, runner, sched, cm):
+        if step == len(STEPS) - 1:
+            assert runner._spec_exact_seq_lens_cpu is not None  # an optimistic step
+            # The case: the metadata's bound counts rejected drafts.
+            assert cm.max_seq_len > want["max_seq_len"]
+            got["branch"] = drafter_branch(runner, sched, cm, want["max_seq_len"] + K + room)
+
+    drive(optimistic, opt_branch)
+    # room 0: the drafter runs; room -1: only the backup tokens are read.
+    assert want["branch"][0] == ("propose_draft_token_ids" if room == 0 else "sample_tokens")
+    assert got["branch"] == want["branch"]
