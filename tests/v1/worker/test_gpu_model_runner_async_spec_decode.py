@@ -21,10 +21,9 @@ equal: input ids, positions, seq_lens, slot mappings, logits indices, the
 spec decode metadata, the attention metadata's seq_lens and CPU views; after
 the forward (_correct_optimistic_spec_state) the CPU state and the CPU
 seq_lens and max_seq_len the drafter reads (backup tokens,
-input_fits_in_drafter). test_drafter_reads_the_exact_seq_lens_after_an_
-optimistic_step runs sample_tokens after the last step up to the drafter's
-first call, near the drafter's max_model_len; test_layouts_... checks the
-gate.
+input_fits_in_drafter). Two more tests: sample_tokens after the last step,
+up to the drafter's first call, near the drafter's max_model_len; and the
+gate (the layouts that keep the wait).
 """
 
 from __future__ import annotations
