@@ -8,10 +8,12 @@ prepared under torch.cuda.set_sync_debug_mode("warn"): from the start of
 execute_model (_update_states, _prepare_inputs with its device correction,
 the attention metadata) until the forward is launched (_model_forward), where
 the mode is switched off again. Every synchronizing CUDA call in that stretch
-is recorded with the Python line that made it, per step, with the step's
-kind: whether it was prepared without waiting for the previous step's
+is recorded with the Python line that made it (in the step's own thread),
+per step, with the step's kind: whether it was prepared without waiting for the previous step's
 accepted counts (the runner's _optimistic_spec_reqs after _update_states)
-and whether it has prefill rows. Nothing here synchronizes the device.
+and whether it has prefill rows. Nothing here synchronizes the device but
+the control at install: one .item() under the same capture, which must be
+seen.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ MAX_RECORDED = 40
 
 
 def install_sync_probe(worker) -> dict[str, Any]:
+    import threading
     import warnings
 
     import torch
@@ -37,6 +40,18 @@ def install_sync_probe(worker) -> dict[str, Any]:
         "syncs_in_other_steps": 0,
     }
     mr._sync_probe_stats = stats
+
+    # The control: the same capture sees a known host sync (.item()).
+    seen: list = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: seen.append(str(message))
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            torch.ones(1, device=mr.device).item()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    stats["control_item_seen"] = any("synchroniz" in m for m in seen)
     state: dict[str, Any] = {"optimistic": False}
 
     orig_execute = mr.execute_model
@@ -58,14 +73,25 @@ def install_sync_probe(worker) -> dict[str, Any]:
             n != 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
         state["optimistic"] = False
         step = stats["steps"]
-        with warnings.catch_warnings(record=True) as caught:
+        thread = threading.get_ident()
+        syncs: list = []
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            shown = warnings.showwarning
+
+            def showwarning(message, category, filename, lineno, file=None, line=None):
+                # This step's thread only: the engine copies outputs in another.
+                if threading.get_ident() == thread and "synchroniz" in str(message):
+                    syncs.append(warnings.WarningMessage(message, category, filename, lineno))
+                else:
+                    shown(message, category, filename, lineno, file, line)
+
+            warnings.showwarning = showwarning
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 return orig_execute(scheduler_output, *args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-                syncs = [w for w in caught if "synchroniz" in str(w.message)]
                 stats["steps"] += 1
                 stats["optimistic_steps"] += int(state["optimistic"])
                 decode = state["optimistic"] and not prefill

@@ -266,6 +266,7 @@ def test_async_spec_decode_matches_synchronous_path(pair, results_dir):
     assert abs(acc["async"] - acc["sync"]) <= ACCEPTANCE_TOLERANCE, acc
     assert abs(acc["probed"] - acc["sync"]) <= ACCEPTANCE_TOLERANCE, acc
 
+    assert probe["control_item_seen"], probe  # the probe sees a host sync
     assert probe["use_async_spec_decode"], probe
     assert probe["optimistic_decode_steps"] >= 10, probe
     assert probe["syncs_in_optimistic_decode_steps"] == 0, probe["syncs"]
