@@ -318,20 +318,6 @@ def disable_by_batch_size_refused() -> str:
     return "refuses disable_by_batch_size, which the V1 engine ignores"
 
 
-@check("Spec-Decode-Prepare-async-spec-decode-steps-without-")
-def async_spec_no_wait() -> str:
-    from vllm.v1.spec_decode.utils import correct_optimistic_spec_decode_inputs
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    assert callable(correct_optimistic_spec_decode_inputs)
-    source = inspect.getsource(GPUModelRunner._update_states)
-    assert "optimistic" in source, "_update_states still waits for the accepted counts"
-    assert hasattr(GPUModelRunner, "_drafter_seq_lens_cpu"), (
-        "an older version: the drafter reads the optimistic seq_lens")
-    return ("async scheduling + EAGLE: steps prepared without waiting for the "
-            "previous step's accepted counts, corrected on the device")
-
-
 STOCK_FIX = ("install the series' wheel where you serve: pip install "
              "dist/vllm-0.16.0+eagle3.*-manylinux_2_31_x86_64.whl (./build.sh writes it; "
              "./build.sh --cpu the CPU build's dist/vllm_cpu-0.16.0+eagle3.*.whl)")
