@@ -480,6 +480,22 @@ CLAIMS = [
           "parallelism and long contexts",
           "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --out DIR", _fulldepth,
           _fulldepth_readme, _fulldepth_breakdown),
+    Claim("fulldepth-fa3-series", "61 layers, the series, back to back with the zero-bubble mail: before",
+          "2026-12-04_h200_fulldepth_kimi_k25_int4_fa3_series_summary.json",
+          f"{BUILT}; as the 61-layer row, 2 repeats of 64 tokens; the 26-patch series (main at 87d0ee3)",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --batches 1,8,32 --repeats 2 "
+          "--gen-tokens 64 --out DIR", _fulldepth),
+    Claim("fulldepth-fa3-zero-bubble", "61 layers, the series with the zero-bubble mail (patches/proposed): after",
+          "2026-12-04_h200_fulldepth_kimi_k25_int4_fa3_zero_bubble_summary.json",
+          f"{BUILT}; the same machine and lease, the series plus the first version of "
+          "`patches/proposed/zero-bubble-async-spec-decode.mbox` (staged by `prepare.py`)",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --batches 1,8,32 --repeats 2 "
+          "--gen-tokens 64 --out DIR", _fulldepth),
+    Claim("fulldepth-fa3-zero-bubble-64-128", "61 layers, the zero-bubble mail at batch 64 and 128",
+          "2026-12-04_h200_fulldepth_kimi_k25_int4_fa3_zero_bubble_64_128_summary.json",
+          f"{BUILT}; as above, Llama drafter",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --engines plain,llama --batches 64,128 "
+          "--repeats 2 --gen-tokens 64 --out DIR", _fulldepth),
     Claim("serving-dsv3", "Serving conditions: DeepSeek-V3-shaped target, Llama drafter",
           "2026-12-03_h200_serving_deepseek_v3_llama.json",
           f"{BUILT}; production settings; the OpenAI server with prefix caching, chunked prefill 2048 and a "
