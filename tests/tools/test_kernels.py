@@ -7,6 +7,7 @@ The build itself needs nvcc and a GPU machine (docs/gpu.md)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -99,6 +100,31 @@ def test_build_unpacks_cutlass_headers_and_refuses_a_changed_wheel(staged: Path,
     assert not (tmp_path / "other").exists()
     with pytest.raises(kernels.StackError, match="kernels.py stage"):
         kernels.unpack_cutlass(tmp_path / "none", tmp_path / "empty")
+
+
+def test_cutlass_python_package_runs_machetes_generator(staged: Path, tmp_path: Path):
+    """vLLM's CMakeLists.txt runs csrc/quantization/machete/generate.py at
+    configure time with csrc/cutlass_extensions and ${CUTLASS_DIR}/python on
+    PYTHONPATH (CUTLASS_DIR is VLLM_CUTLASS_SRC_DIR); the unpacked wheel must
+    serve its cutlass_library there, or configure stops with "Machete
+    generation failed"."""
+    cutlass = tmp_path / "cutlass"
+    kernels.unpack_cutlass(cutlass, staged)
+    src = tmp_path / "vllm"
+    kernels._unpack_sdist(src, staged)
+    script = src / "csrc" / "quantization" / "machete" / "generate.py"
+
+    def generate(*pythonpath: Path) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PYTHONPATH=":".join(str(p) for p in pythonpath))
+        return subprocess.run([sys.executable, str(script)], cwd=src, env=env, capture_output=True, text=True)
+
+    r = generate(src / "csrc" / "cutlass_extensions", cutlass / "python")
+    assert r.returncode == 0, r.stderr[-2000:]
+    generated = sorted(p.name for p in (script.parent / "generated").iterdir())
+    assert "machete_mm_dispatch.cu" in generated and any(n.startswith("machete_mm_impl_part") for n in generated)
+    # Without the package (the headers alone) the generator cannot import it.
+    r = generate(src / "csrc" / "cutlass_extensions", cutlass / "include")
+    assert r.returncode != 0 and "cutlass_library" in r.stderr
 
 
 def test_build_refuses_a_changed_sdist_subset(staged: Path, tmp_path: Path):

@@ -10,9 +10,13 @@ where it builds ``BatchPrefillWithRaggedKVCacheWrapper(..., backend="cutlass")``
 vLLM's flash-attention fork has no registry release, so the registry-only
 harness opens that gate on capability 9.x, for the DeepSeek-R1 MLA shape the
 gate already requires (qk 128 + 64, v 128), and maps the wrapper's backend to
-FlashInfer's sm90 template (``fa3``; ``EAGLE3_HARNESS_FI_PREFILL_BACKEND=fa2``
-picks the other). FlashInfer's fa2/fa3 templates return the log-sum-exp in
-base 2 (``row_max * sm_scale * log2(e) + log2(sum)``), where vLLM's
+FlashInfer's sm80 template (``fa2``; ``EAGLE3_HARNESS_FI_PREFILL_BACKEND=fa3``
+picks its sm90 one). prefill_probe.py chose fa2: both match a float32
+reference at these shapes, and fa2 planned and ran the EAGLE-3 verify shapes
+in 2.2 ms together against fa3's 5.2 ms on an H100
+(results/2026-12-05_h100_prefill_probe.json). FlashInfer's fa2/fa3
+templates return the log-sum-exp in base 2
+(``row_max * sm_scale * log2(e) + log2(sum)``), where vLLM's
 ``merge_attn_states`` and the ``cutlass`` backend use the natural log, so
 the wrapper returns it times ln 2.
 
@@ -35,11 +39,12 @@ import sys
 
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 LN2 = math.log(2.0)
-BACKENDS = ("fa3", "fa2")
+BACKENDS = ("fa2", "fa3")
+DEFAULT_BACKEND = "fa2"  # prefill_probe.py's choice
 
 
 def backend() -> str:
-    name = os.environ.get("EAGLE3_HARNESS_FI_PREFILL_BACKEND", "fa3")
+    name = os.environ.get("EAGLE3_HARNESS_FI_PREFILL_BACKEND", DEFAULT_BACKEND)
     if name not in BACKENDS:
         raise ValueError(f"EAGLE3_HARNESS_FI_PREFILL_BACKEND={name!r}: use one of {BACKENDS}")
     return name

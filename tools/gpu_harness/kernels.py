@@ -9,7 +9,9 @@
 needs, both package-registry artifacts pinned in pin.toml with their sha256
 and verified by tools.fetch: the sdist's ``CMakeLists.txt``, ``cmake/`` and
 ``csrc/`` (from ``vllm-0.16.0.tar.gz``), and the ``nvidia-cutlass`` wheel,
-whose ``cutlass_library/source`` holds CUTLASS's C++ headers.
+whose ``cutlass_library/source`` holds CUTLASS's C++ headers and whose
+``cutlass_library`` package is the generator vLLM's CMake runs for Machete's
+kernel sources (at configure time, from ``${CUTLASS_DIR}/python``).
 
 ``build`` verifies both again (the wheel against pin.toml, the sdist subset
 against the digest stage recorded from the verified sdist), unpacks them, and
@@ -58,7 +60,8 @@ SDIST_MEMBERS = ("CMakeLists.txt", "cmake/", "csrc/")
 # directories of it vLLM's targets include (CUTLASS_INCLUDE_DIR,
 # CUTLASS_TOOLS_UTIL_INCLUDE_DIR).
 CUTLASS_ARTIFACT = "nvidia-cutlass"
-CUTLASS_TREE = "cutlass_library/source/"
+CUTLASS_PY = "cutlass_library/"
+CUTLASS_TREE = CUTLASS_PY + "source/"
 CUTLASS_DIRS = {"CUTLASS_INCLUDE_DIR": "include", "CUTLASS_TOOLS_UTIL_INCLUDE_DIR": "tools/util/include"}
 # vLLM's CMake FetchContent sources with no registry release at the versions
 # v0.16.0 pins: each is given an empty directory (no CMakeLists.txt, so
@@ -292,6 +295,14 @@ def unpack_cutlass(dest: Path, staged: Path = STAGE_DIR) -> dict[str, Path]:
             target = dest / n[len(CUTLASS_TREE):]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(z.read(n))
+        # CMakeLists.txt runs csrc/quantization/machete/generate.py with
+        # ${CUTLASS_DIR}/python on PYTHONPATH, as in CUTLASS's source tree;
+        # the wheel's cutlass_library package sits there.
+        for n in z.namelist():
+            if n.startswith(CUTLASS_PY) and not n.startswith(CUTLASS_TREE) and n.endswith(".py"):
+                target = dest / "python" / n
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(z.read(n))
     return {var: dest / d for var, d in CUTLASS_DIRS.items()}
 
 

@@ -53,8 +53,10 @@ def test_wrapper_maps_cutlass_to_the_hopper_template_and_converts_lse():
 
 
 def test_backend_switch_refuses_an_unknown_template(monkeypatch):
-    monkeypatch.setenv("EAGLE3_HARNESS_FI_PREFILL_BACKEND", "fa2")
-    assert fi_prefill.backend() == "fa2"
+    monkeypatch.delenv("EAGLE3_HARNESS_FI_PREFILL_BACKEND", raising=False)
+    assert fi_prefill.backend() == "fa2"  # prefill_probe.py's choice
+    monkeypatch.setenv("EAGLE3_HARNESS_FI_PREFILL_BACKEND", "fa3")
+    assert fi_prefill.backend() == "fa3"
     monkeypatch.setenv("EAGLE3_HARNESS_FI_PREFILL_BACKEND", "cutlass")
     with pytest.raises(ValueError, match="use one of"):
         fi_prefill.backend()
@@ -82,7 +84,7 @@ def test_gate_opens_on_hopper_for_the_shapes_vllm_accepts(monkeypatch, family, c
     fi_prefill.patch_mla_module(mla)
     with set_current_vllm_config(VllmConfig()):
         assert mla.use_flashinfer_prefill() is want
-    assert fake_fi.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD", backend="cutlass").backend == "fa3"
+    assert fake_fi.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD", backend="cutlass").backend == "fa2"
     # Twice is once.
     fi_prefill.patch_mla_module(mla)
     assert fake_fi.BatchPrefillWithRaggedKVCacheWrapper.__bases__ == (_FakeRagged,)
@@ -101,8 +103,8 @@ def test_import_hook_changes_vllms_mla_module_as_it_loads(tmp_path: Path):
         import flashinfer
         from vllm.model_executor.layers.attention import mla_attention as mla
         assert mla.use_flashinfer_prefill.eagle3_harness
-        assert mla.EAGLE3_HARNESS_FI_PREFILL == "fa3"
-        assert flashinfer.BatchPrefillWithRaggedKVCacheWrapper(None, backend="cutlass").backend == "fa3"
+        assert mla.EAGLE3_HARNESS_FI_PREFILL == "fa2"
+        assert flashinfer.BatchPrefillWithRaggedKVCacheWrapper(None, backend="cutlass").backend == "fa2"
         print("hooked")
     """)
     r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
