@@ -67,6 +67,19 @@ def agree(a: dict) -> str:
     return f"{a['equal_prompts']} of {a['prompts']} prompts"
 
 
+def _prefill_probe(d: dict) -> list[tuple[str, str]]:
+    rows = []
+    for name, cases in d["candidates"].items():
+        calls = [c[k] for c in cases for k in ("new", "context") if k in c]
+        rows += [
+            (f"{name}: verify shapes, plan and run, total ms", f2(d["verify_ms_total"][name])),
+            (f"{name}: largest output / log-sum-exp error against float32",
+             f"{max(c['out_max_abs_err'] for c in calls):.1e} / {max(c['lse_max_abs_err'] for c in calls):.1e}"),
+            (f"{name}: every call within tolerance", "yes" if all(c["correct"] for c in calls) else "no"),
+        ]
+    return rows + [("chosen", d["chosen"]), ("not measured", "; ".join(f"{k}: {v}" for k, v in d["not_measured"].items()))]
+
+
 # --- the claims, one per results file ------------------------------------
 
 
@@ -416,7 +429,7 @@ STAND_INS = ("the 14-patch series; torch stand-ins for vLLM's compiled ops (sinc
 BUILT = ("vLLM's own kernels with FA3 and DeepGEMM, built by an earlier `kernels.py` from the pinned sdist and "
          "git snapshots of CUTLASS, flash-attention, DeepGEMM and fmt, no torch stand-in")
 REGISTRY = ("vLLM's own kernels built by `kernels.py` from registry sources only (the sdist, nvidia-cutlass); "
-            "no FA3: TRITON_MLA target, MLA prefill on FlashInfer 0.6.3's sm90 template (harness switch)")
+            "no FA3: TRITON_MLA target, MLA prefill on FlashInfer 0.6.3's fa2 template (harness switch)")
 # README's kernels column: which build produced a row.
 KERNELS = ((REGISTRY, "registry build"), (BUILT, "FA3 build"), (STAND_INS, "torch stand-ins"))
 
@@ -472,6 +485,11 @@ CLAIMS = [
     Claim("kernels", "vLLM's own kernels and DeepGEMM built cold on the H200 (16 cores)",
           "2026-12-02_h200_kernels_build_call50.json", f"{BUILT}; the pinned sdist's CMake, sm_90a, the subset in `SUBSET`",
           "python3 tools/gpu_harness/kernels.py build --out DIR -j 16", _kernels, _kernels_readme),
+    Claim("prefill-probe", "MLA prefill without FA3: FlashInfer's two templates on the verify and prompt shapes",
+          "2026-12-05_h100_prefill_probe.json",
+          "FlashInfer 0.6.3 from PyPI, bf16, one TP-8 rank's heads of DeepSeek-V3 (16) and Kimi-K2.5 (8), qk 192 / "
+          "v 128; on an H100 (no H200 could be started)",
+          "python3 tools/gpu_harness/prefill_probe.py --out DIR", _prefill_probe),
     Claim("fulldepth", "Kimi-K2.5 INT4, one TP-8 rank's share of all 61 layers: EAGLE-3 speed-up",
           "2026-12-03_h200_fulldepth_kimi_k25_int4_summary.json",
           f"{BUILT}; Marlin MoE; random weights (acceptance 1.0 measured, so the speed-up is AL x plain wall / "
