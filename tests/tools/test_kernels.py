@@ -109,7 +109,7 @@ def test_cutlass_python_package_runs_machetes_generator(staged: Path, tmp_path: 
     serve its cutlass_library there, or configure stops with "Machete
     generation failed"."""
     cutlass = tmp_path / "cutlass"
-    kernels.unpack_cutlass(cutlass, staged)
+    defines = dict(d[2:].split("=", 1) for d in kernels.cutlass_defines(cutlass, kernels.unpack_cutlass(cutlass, staged)))
     src = tmp_path / "vllm"
     kernels._unpack_sdist(src, staged)
     script = src / "csrc" / "quantization" / "machete" / "generate.py"
@@ -118,13 +118,42 @@ def test_cutlass_python_package_runs_machetes_generator(staged: Path, tmp_path: 
         env = dict(os.environ, PYTHONPATH=":".join(str(p) for p in pythonpath))
         return subprocess.run([sys.executable, str(script)], cwd=src, env=env, capture_output=True, text=True)
 
-    r = generate(src / "csrc" / "cutlass_extensions", cutlass / "python")
+    # CMake's PYTHONPATH for it: ${CUTLASS_DIR}/python/, CUTLASS_DIR as kernels.py defines it.
+    r = generate(src / "csrc" / "cutlass_extensions", Path(defines.get("CUTLASS_DIR", "")) / "python")
     assert r.returncode == 0, r.stderr[-2000:]
     generated = sorted(p.name for p in (script.parent / "generated").iterdir())
     assert "machete_mm_dispatch.cu" in generated and any(n.startswith("machete_mm_impl_part") for n in generated)
     # Without the package (the headers alone) the generator cannot import it.
     r = generate(src / "csrc" / "cutlass_extensions", cutlass / "include")
     assert r.returncode != 0 and "cutlass_library" in r.stderr
+
+
+def test_not_built_sources_pass_vllms_fetchcontent(staged: Path, tmp_path: Path):
+    """vLLM's cmake/external_projects/triton_kernels.cmake declares its source
+    at $TRITON_KERNELS_SRC_DIR; FetchContent refuses an empty directory there
+    ("is not an existing non-empty directory"), and so stopped the first
+    registry build at configure. Runs the sdist's own file in a small project."""
+    src = tmp_path / "vllm"
+    kernels._unpack_sdist(src, staged)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.25)\nproject(p NONE)\ninclude(FetchContent)\n"
+        f"include({src / 'cmake' / 'external_projects' / 'triton_kernels.cmake'})\n")
+
+    def configure(env_dirs: dict[str, str], build: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["cmake", "-S", str(project), "-B", str(tmp_path / build)],
+                              env=dict(os.environ, **env_dirs), capture_output=True, text=True)
+
+    env = kernels.not_built_sources(tmp_path / "work")
+    assert set(env) == set(kernels.EMPTY_SOURCES)
+    assert not any((Path(d) / "CMakeLists.txt").exists() for d in env.values())
+    r = configure(env, "build")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    # The same directory empty is what the build met.
+    (Path(env["TRITON_KERNELS_SRC_DIR"]) / "NOT_BUILT").unlink()
+    r = configure(env, "build-empty")
+    assert r.returncode != 0 and "non-empty directory" in r.stdout + r.stderr
 
 
 def test_build_refuses_a_changed_sdist_subset(staged: Path, tmp_path: Path):

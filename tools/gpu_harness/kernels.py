@@ -64,9 +64,8 @@ CUTLASS_PY = "cutlass_library/"
 CUTLASS_TREE = CUTLASS_PY + "source/"
 CUTLASS_DIRS = {"CUTLASS_INCLUDE_DIR": "include", "CUTLASS_TOOLS_UTIL_INCLUDE_DIR": "tools/util/include"}
 # vLLM's CMake FetchContent sources with no registry release at the versions
-# v0.16.0 pins: each is given an empty directory (no CMakeLists.txt, so
-# FetchContent adds no subproject) and its targets are never built. FlashMLA's
-# CMake reads one Python file, which gets an empty stand-in.
+# v0.16.0 pins: each gets a directory with no CMakeLists.txt (not_built_sources),
+# so FetchContent adds no subproject and their targets are never built.
 EMPTY_SOURCES = {"VLLM_FLASH_ATTN_SRC_DIR": "flash-attention", "FLASH_MLA_SRC_DIR": "flashmla",
                  "QUTLASS_SRC_DIR": "qutlass", "TRITON_KERNELS_SRC_DIR": "triton_kernels"}
 
@@ -306,6 +305,28 @@ def unpack_cutlass(dest: Path, staged: Path = STAGE_DIR) -> dict[str, Path]:
     return {var: dest / d for var, d in CUTLASS_DIRS.items()}
 
 
+def cutlass_defines(root: Path, dirs: dict[str, Path]) -> list[str]:
+    """CMake definitions for the unpacked wheel: the include directories vLLM's
+    targets read, and CUTLASS_DIR, whose ``python/`` the Machete generator
+    imports cutlass_library from (CMakeLists.txt sets it nowhere itself)."""
+    return [*(f"-D{var}={d}" for var, d in dirs.items()), f"-DCUTLASS_DIR={root}"]
+
+
+def not_built_sources(work: Path) -> dict[str, str]:
+    """A directory for each of EMPTY_SOURCES, holding one file and no
+    CMakeLists.txt: FetchContent refuses an empty SOURCE_DIR, and adds no
+    subproject for this one. FlashMLA's CMake reads one Python file, which gets
+    an empty stand-in. Returns the environment that points vLLM's CMake there."""
+    env = {}
+    for var, name in EMPTY_SOURCES.items():
+        (work / name).mkdir(parents=True)
+        (work / name / "NOT_BUILT").write_text("no registry release at the version vLLM 0.16.0 pins\n")
+        env[var] = str(work / name)
+    (work / "flashmla" / "flash_mla").mkdir()
+    (work / "flashmla" / "flash_mla" / "flash_mla_interface.py").write_text("import torch\n")
+    return env
+
+
 def _run(cmd: list[str], log: Path, **kw) -> float:
     t = time.monotonic()
     with log.open("a") as f:
@@ -341,12 +362,7 @@ def build(args: argparse.Namespace) -> int:
     vsrc = work / "vllm"
     sdist_digest = _unpack_sdist(vsrc)
     cutlass = unpack_cutlass(work / "cutlass")
-    empty = {}
-    for var, name in EMPTY_SOURCES.items():
-        (work / name).mkdir()
-        empty[var] = str(work / name)
-    (work / "flashmla" / "flash_mla").mkdir()
-    (work / "flashmla" / "flash_mla" / "flash_mla_interface.py").write_text("import torch\n")
+    empty = not_built_sources(work)
     placeholder = work / "placeholder.cpp"
     placeholder.write_text("// targets outside the subset are never built\n")
     swaps = {}
@@ -363,7 +379,7 @@ def build(args: argparse.Namespace) -> int:
     cmake = ["cmake", "-S", str(vsrc), "-B", str(bdir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
              "-DVLLM_TARGET_DEVICE=cuda", f"-DVLLM_PYTHON_EXECUTABLE={py}", f"-DVLLM_PYTHON_PATH={pypath}",
              f"-DFETCHCONTENT_BASE_DIR={work / 'fc'}", "-DNVCC_THREADS=1",
-             *(f"-D{var}={d}" for var, d in cutlass.items()),
+             *cutlass_defines(work / "cutlass", cutlass),
              f"-DCMAKE_PROJECT_INCLUDE={HOOK}", f"-DEAGLE3_KERNEL_TARGETS={';'.join(SUBSET)}",
              f"-DEAGLE3_KERNEL_PLACEHOLDER={placeholder}",
              f"-DEAGLE3_KERNEL_FIRST={';'.join(BUILD_FIRST)}"]
