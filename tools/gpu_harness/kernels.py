@@ -19,10 +19,10 @@ runs vLLM's own ``CMakeLists.txt`` (unmodified) the way its setup.py does for
 sm_90a, with ``kernel_subset.cmake`` trimming the targets to ``SUBSET`` below.
 CUTLASS comes in through vLLM's own ``VLLM_CUTLASS_SRC_DIR`` switch and the
 include directories its targets read (``CUTLASS_INCLUDE_DIR``,
-``CUTLASS_TOOLS_UTIL_INCLUDE_DIR``). Nothing else is fetched: vLLM's
-flash-attention fork, FlashMLA and DeepGEMM have no registry release at the
-versions v0.16.0 pins, so their source directories are empty and their targets
-are not built. Op registrations come from the sdist's
+``CUTLASS_TOOLS_UTIL_INCLUDE_DIR``, and ``CUTLASS_DIR`` for the generator).
+Nothing else is fetched: vLLM's flash-attention fork, FlashMLA and DeepGEMM
+have no registry release at the versions v0.16.0 pins, so their source
+directories hold no CMakeLists.txt and their targets are not built. Op registrations come from the sdist's
 ``csrc/torch_bindings.cpp`` and ``csrc/moe/torch_bindings.cpp``: every schema
 stays, and each ``impl`` whose C++ function the subset does not define is
 dropped (found with ``nm`` on the first link). So vLLM sees the ops the full
