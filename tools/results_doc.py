@@ -77,7 +77,8 @@ def _prefill_probe(d: dict) -> list[tuple[str, str]]:
              f"{max(c['out_max_abs_err'] for c in calls):.1e} / {max(c['lse_max_abs_err'] for c in calls):.1e}"),
             (f"{name}: every call within tolerance", "yes" if all(c["correct"] for c in calls) else "no"),
         ]
-    return rows + [("chosen", d["chosen"]), ("not measured", "; ".join(f"{k}: {v}" for k, v in d["not_measured"].items()))]
+    not_measured = "; ".join(f"{k}: {v}" for k, v in d["not_measured"].items())
+    return rows + [("chosen", d["chosen"]), ("not measured", not_measured)]
 
 
 # --- the claims, one per results file ------------------------------------

@@ -11,9 +11,8 @@ vLLM's flash-attention fork has no registry release, so the registry-only
 harness opens that gate on capability 9.x, for the DeepSeek-R1 MLA shape the
 gate already requires (qk 128 + 64, v 128), and maps the wrapper's backend to
 FlashInfer's sm80 template (``fa2``; ``EAGLE3_HARNESS_FI_PREFILL_BACKEND=fa3``
-picks its sm90 one). prefill_probe.py chose fa2: both match a float32
-reference at these shapes, and fa2 planned and ran the EAGLE-3 verify shapes
-in 2.2 ms together against fa3's 5.2 ms on an H100
+picks its sm90 one): prefill_probe.py's choice, both being correct at these
+shapes and fa2 the faster to plan and run the EAGLE-3 verify shapes
 (results/2026-12-05_h100_prefill_probe.json). FlashInfer's fa2/fa3
 templates return the log-sum-exp in base 2
 (``row_max * sm_scale * log2(e) + log2(sum)``), where vLLM's

@@ -22,11 +22,11 @@ include directories its targets read (``CUTLASS_INCLUDE_DIR``,
 ``CUTLASS_TOOLS_UTIL_INCLUDE_DIR``, and ``CUTLASS_DIR`` for the generator).
 Nothing else is fetched: vLLM's flash-attention fork, FlashMLA and DeepGEMM
 have no registry release at the versions v0.16.0 pins, so their source
-directories hold no CMakeLists.txt and their targets are not built. Op registrations come from the sdist's
-``csrc/torch_bindings.cpp`` and ``csrc/moe/torch_bindings.cpp``: every schema
-stays, and each ``impl`` whose C++ function the subset does not define is
-dropped (found with ``nm`` on the first link). So vLLM sees the ops the full
-build has, and calling one that was not built raises torch's "Could not run
+directories hold no CMakeLists.txt and their targets are not built. Op
+registrations come from the sdist's ``csrc/torch_bindings.cpp`` and
+``csrc/moe/torch_bindings.cpp``: every schema stays, and each ``impl`` whose
+C++ function the subset does not define is dropped (found with ``nm`` on the
+first link). So vLLM sees the ops the full build has, and calling one that was not built raises torch's "Could not run
 '_C::<op>' ... CUDA backend" by name; nothing falls back to a stand-in. The
 libraries land in ``DIR/vllm/``, laid out as in the wheel, with
 ``kernels.json`` (what was built, what was not, timings).
