@@ -28,8 +28,9 @@ registrations come from the sdist's ``csrc/torch_bindings.cpp`` and
 C++ function the subset does not define is dropped (found with ``nm`` on the
 first link). So vLLM sees the ops the full build has, and calling one that
 was not built raises torch's "Could not run '_C::<op>' ... CUDA backend" by
-name; nothing falls back to a stand-in. The libraries land in ``DIR/vllm/``, laid out as in the wheel, with
-``kernels.json`` (what was built, what was not, timings).
+name; nothing falls back to a stand-in. The libraries land in ``DIR/vllm/``,
+laid out as in the wheel, with ``kernels.json`` (what was built, what was
+not, timings).
 """
 
 from __future__ import annotations
