@@ -197,8 +197,7 @@ def server(out: Path, work: Path, port: int | None = None, target: Path | None =
             extra_args = ["--limit-mm-per-prompt", json.dumps(KIMI_EXTRA["limit_mm_per_prompt"])]
     if os.environ.get("EAGLE3_GPU_KV_BYTES"):
         extra_args += ["--kv-cache-memory-bytes", os.environ["EAGLE3_GPU_KV_BYTES"]]
-    spec = json.dumps({"method": "eagle3", "model": str(drafter),
-                       "num_speculative_tokens": h.NUM_SPEC_TOKENS})
+    spec = json.dumps(h.spec_config(drafter))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(target), "--dtype", "bfloat16", "--max-model-len", "1024",
            "--max-num-seqs", "16", "--gpu-memory-utilization", str(h.GPU_MEMORY_UTILIZATION),

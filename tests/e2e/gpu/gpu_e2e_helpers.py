@@ -199,13 +199,52 @@ def engine_kwargs(
         # memory of other engines started at the same time on the same GPU.
         kw["kv_cache_memory_bytes"] = int(os.environ["EAGLE3_GPU_KV_BYTES"])
     if drafter is not None:
-        kw["speculative_config"] = {
-            "method": "eagle3",
-            "model": str(drafter),
-            "num_speculative_tokens": num_spec_tokens,
-        }
+        kw["speculative_config"] = spec_config(drafter, num_spec_tokens)
     kw.update(extra)
     return kw
+
+
+def flash_attn_built() -> bool:
+    """Whether this vLLM install has vllm_flash_attn's compiled library (the
+    official wheel does; the harness's registry-only build does not). Read
+    from the files, without importing vLLM."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return any(any((Path(r) / "vllm_flash_attn").glob("_vllm_fa*_C*.so")) for r in roots)
+
+
+def drafter_attention_backend(drafter: Path | str) -> str | None:
+    """The speculative config's ``attention_backend`` for this drafter:
+    ``EAGLE3_GPU_DRAFTER_BACKEND`` where set ("auto": vLLM's choice); else
+    TRITON_ATTN for a Llama-architecture drafter where vllm_flash_attn is not
+    built, since v0.16.0 picks FLASH_ATTN for it from the capability alone
+    and its first forward then fails ("FlashAttention version not
+    detected"); else None (vLLM's choice). An MLA drafter picks an MLA
+    backend itself."""
+    forced = os.environ.get("EAGLE3_GPU_DRAFTER_BACKEND")
+    if forced:
+        return None if forced.lower() == "auto" else forced
+    cfg = Path(drafter) / "config.json"
+    if not cfg.is_file():
+        return None
+    if json.loads(cfg.read_text()).get("model_type") != "llama":
+        return None
+    return None if flash_attn_built() else "TRITON_ATTN"
+
+
+def spec_config(drafter: Path | str, num_spec_tokens: int = NUM_SPEC_TOKENS) -> dict[str, Any]:
+    """The EAGLE-3 speculative config every harness engine serves."""
+    spec: dict[str, Any] = {
+        "method": "eagle3",
+        "model": str(drafter),
+        "num_speculative_tokens": num_spec_tokens,
+    }
+    backend = drafter_attention_backend(drafter)
+    if backend is not None:
+        spec["attention_backend"] = backend
+    return spec
 
 
 # The DeepSeek-V3 target's prompt set. Seed 2: along the float64 greedy path
@@ -343,6 +382,110 @@ def _worker_facts(worker) -> dict[str, Any]:
         "compilation_mode": str(mr.compilation_config.mode),
         "op_providers": op_providers(),
     }
+
+
+def _install_dispatch_tally(worker) -> bool:
+    """Runs in each worker: count the CUDA-graph mode the target's
+    dispatcher picks for each forward, uniform decode batches (plain decode,
+    a verify at k + 1) apart from the others, until read."""
+    disp = worker.model_runner.cudagraph_dispatcher
+    if getattr(disp, "_eagle3_tally", None) is not None:
+        disp._eagle3_tally.clear()
+        return True
+    tally: dict[str, int] = {}
+    inner = disp.dispatch
+
+    def dispatch(num_tokens, uniform_decode=False, *args, **kwargs):
+        mode, desc = inner(num_tokens, uniform_decode, *args, **kwargs)
+        key = f"{'uniform' if uniform_decode else 'mixed'} {getattr(mode, 'name', mode)}"
+        tally[key] = tally.get(key, 0) + 1
+        return mode, desc
+
+    disp.dispatch = dispatch
+    disp._eagle3_tally = tally
+    return True
+
+
+def _read_dispatch_tally(worker) -> dict[str, int]:
+    tally = getattr(worker.model_runner.cudagraph_dispatcher, "_eagle3_tally", None) or {}
+    out = dict(tally)
+    tally.clear()
+    return out
+
+
+def dispatch_tally(llm, read: bool) -> dict[str, int] | None:
+    """Start (read=False) or read and restart (read=True) the first
+    worker's count of dispatched graph modes; None where it cannot."""
+    try:
+        return llm.collective_rpc(_read_dispatch_tally if read else _install_dispatch_tally)[0]
+    except Exception:  # noqa: BLE001 - a fact, not a check
+        return None
+
+
+def graph_mode_of(tally: dict[str, int] | None) -> str | None:
+    """The mode most uniform decode batches replayed (FULL, PIECEWISE, NONE)."""
+    uniform = {k.split()[1]: v for k, v in (tally or {}).items() if k.startswith("uniform ")}
+    return max(uniform, key=uniform.get) if uniform else None
+
+
+def _kv_split_facts(worker, shapes) -> dict[str, Any]:
+    """Runs in a worker: the KV splits the Triton MLA decode kernel takes
+    for each (requests, tokens a request, max_seq_len), as the backend
+    chooses them (a fixed 4 where it has no chooser: v0.16.0)."""
+    import torch
+
+    try:
+        from vllm.v1.attention.backends.mla import triton_mla as tm
+    except Exception as e:  # noqa: BLE001 - a fact, not a check
+        return {"error": f"{type(e).__name__}: {e}"}
+    heads = worker.model_runner.model_config.get_num_attention_heads(worker.model_runner.parallel_config)
+    chooser = getattr(tm, "num_kv_splits_for", None)
+    if chooser is None:
+        return {"rule": "fixed 4 (v0.16.0)", "splits": {f"{r}x{t}@{s}": 4 for r, t, s in shapes}}
+    from vllm.v1.attention.ops.triton_decode_attention import grouped_decode_row_blocks
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    out = {}
+    for reqs, toks, seq in shapes:
+        blocks = grouped_decode_row_blocks(heads, heads, toks)[2]
+        out[f"{reqs}x{toks}@{seq}"] = chooser(sms, reqs, blocks, seq)
+    return {"rule": "num_kv_splits_for", "sms": sms, "min_split_len": getattr(tm, "MIN_KV_SPLIT_LEN", None),
+            "splits": out}
+
+
+def kv_split_facts(llm, shapes) -> dict[str, Any]:
+    try:
+        return llm.collective_rpc(_kv_split_facts, args=(list(shapes),))[0]
+    except Exception as e:  # noqa: BLE001 - a fact, not a check
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _copy_bandwidth(worker) -> float:
+    """Runs in a worker: device-to-device copy bandwidth in GB/s (bytes read
+    plus bytes written over the time of a 256 MiB copy, best of 6)."""
+    import torch
+
+    n = 1 << 28  # far beyond L2; small beside a full card's free memory
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(6):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / (best / 1000) / 1e9
+
+
+def copy_bandwidth_gbps(llm) -> float | None:
+    try:
+        return llm.collective_rpc(_copy_bandwidth)[0]
+    except Exception:  # noqa: BLE001 - a fact, not a check
+        return None
 
 
 def engine_facts(llm) -> dict[str, Any]:

@@ -374,7 +374,7 @@ def server_args(pair: Pair, num_blocks: int | None, kv_bytes: int = CLEAN_KV_BYT
                 spec_decode: bool = True) -> list[str]:
     """The server's command line: prefix caching, chunked prefill 2048 and,
     with ``num_blocks``, a KV cache of that many blocks."""
-    spec = {"method": "eagle3", "model": str(pair.drafter), "num_speculative_tokens": K}
+    spec = h.spec_config(pair.drafter, K)
     args = ["--model", str(pair.target), "--dtype", "bfloat16", "--seed", "0",
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
             "--max-num-batched-tokens", str(SERVING_BATCHED_TOKENS), "--enable-chunked-prefill",
