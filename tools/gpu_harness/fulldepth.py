@@ -56,11 +56,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
+from tools.gpu_harness import memory_plan as mp  # noqa: E402  (a layer below)
 from tools.gpu_harness import project as pj  # noqa: E402  (the per-rank geometry; a layer below)
 
 ACCEPTANCE_LENGTHS = pj.ACCEPTANCE_LENGTHS
 ENGINE_KEYS = {"plain": "plain", **pj.DRAFTER_KEYS}  # plain, eagle3 (Llama), eagle3_mla
 DEFAULT_BATCHES = (1, 8, 32, 64, 128)
+DEFAULT_CONTEXT = 16
 
 
 def configs(model: str, engines: list[str], layers: int, work: Path) -> dict[str, Path | None]:
@@ -122,88 +124,152 @@ def _profiled_steps(traces: Path, seen: set[str]) -> dict:
     return steps
 
 
+def prompts_for(context: int, batch: int) -> list[dict]:
+    """``batch`` distinct prompts of ``context`` token ids (below the rank's
+    vocabulary share): distinct, so prefix caching shares no block between
+    requests and each reads its own KV."""
+    return [{"prompt_token_ids": [(7 + 131 * i + 17 * j) % 20000 for j in range(context)]}
+            for i in range(batch)]
+
+
+def result_path(out: Path, model: str, tag: str, context: int, contexts) -> Path:
+    """One result file per context; the default context keeps the old name."""
+    ctx = "" if list(contexts) == [DEFAULT_CONTEXT] else f"_ctx{context}"
+    return out / f"fulldepth_{model}{tag}{ctx}.json"
+
+
 def run(model: str, engines: list[str], out: Path, batches=DEFAULT_BATCHES, repeats: int = 3,
-        gen_tokens: int = 128, layers: int = pj.FULL_LAYERS, mem_util: float = 0.8, prof_tokens: int = 12,
-        async_scheduling: str = "default", disable_by_batch_size: int | None = None,
-        budget_s: float | None = None, tag: str = "") -> dict:
+        gen_tokens: int = 128, layers: int = pj.FULL_LAYERS, mem_util: float | None = None,
+        prof_tokens: int = 12, async_scheduling: str = "default", disable_by_batch_size: int | None = None,
+        budget_s: float | None = None, tag: str = "", contexts=(DEFAULT_CONTEXT,),
+        card: tuple[int, int, str] | None = None) -> dict:
+    """Returns {context: result}; each result is also written to its file
+    (result_path) after every measured cell."""
     t_run = time.perf_counter()
     sys.path.insert(0, str(pj.REPO_ROOT / "tests" / "e2e" / "gpu"))
     import gpu_e2e_helpers as h
 
+    contexts = list(contexts)
+    work = Path(tempfile.mkdtemp(prefix=f"fulldepth-{model}-"))
+    drafters = configs(model, engines, layers, work)
+    tcfg = json.loads((work / "target" / "config.json").read_text())
+    total, free, card_name = card or mp.card_memory()
+    memory, cells, skipped = mp.plan_cells(tcfg, contexts, batches, gen_tokens, pj.K, total, free,
+                                           drafter=any(d is not None for d in drafters.values()))
+    for cell, why in skipped.items():
+        print(f"SKIP context x batch {cell}: does not fit {card_name}: {why}", flush=True)
+    if not cells:
+        raise SystemExit(f"fulldepth.py: {model} at {layers} layers, contexts {contexts}, batches "
+                         f"{list(batches)}: no cell fits {card_name}: {memory['reason']}")
+    contexts = sorted({c for c, _ in cells})
     os.environ["EAGLE3_GPU_PROFILE"] = "production"  # before configure_env(): bf16, MLA on
     h.configure_env()
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the step ranges step_breakdown splits at
-    work = Path(tempfile.mkdtemp(prefix=f"fulldepth-{model}-"))
-    drafters = configs(model, engines, layers, work)
-    path = out / f"fulldepth_{model}{tag}.json"
-    res = {"what": __doc__.split("\n", 1)[0], "model": model, "layers": layers, "tp_share": pj.TP, "k": pj.K,
-           "target_config": pj.MODELS[model]["target"], "batches": list(batches), "repeats": repeats,
-           "gen_tokens": gen_tokens, "prompt_tokens": 16, "prof_tokens": prof_tokens,
-           "async_scheduling_arg": async_scheduling, "disable_by_batch_size": disable_by_batch_size,
-           "command": " ".join([Path(sys.executable).name, *sys.argv]),
-           "drafters": {ENGINE_KEYS[e]: pj.MODELS[model]["drafters"][e] for e in engines if e != "plain"},
-           "engines": {}}
+    by_ctx = {ctx: {"what": __doc__.split("\n", 1)[0], "model": model, "layers": layers, "tp_share": pj.TP,
+                    "k": pj.K, "target_config": pj.MODELS[model]["target"],
+                    "batches": [b for c, b in cells if c == ctx],
+                    "repeats": repeats, "gen_tokens": gen_tokens, "prompt_tokens": ctx,
+                    "prof_tokens": prof_tokens, "async_scheduling_arg": async_scheduling,
+                    "disable_by_batch_size": disable_by_batch_size, "card": card_name, "memory_plan": memory,
+                    "skipped_cells": {c: w for c, w in skipped.items() if c.startswith(f"{ctx}x")},
+                    "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                    "drafters": {ENGINE_KEYS[e]: pj.MODELS[model]["drafters"][e] for e in engines if e != "plain"},
+                    "engines": {}} for ctx in contexts}
     from vllm import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
-    capture = sorted(set(batches) | {(pj.K + 1) * b for b in batches})
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    capture = sorted({b for _, b in cells} | {(pj.K + 1) * b for _, b in cells})
     extra = {} if async_scheduling == "default" else {"async_scheduling": async_scheduling == "on"}
+    if mem_util is None:  # sized from the plan: a fixed KV cache, no memory profile
+        extra.update(gpu_memory_utilization=memory["gpu_memory_utilization"],
+                     kv_cache_memory_bytes=memory["kv_cache_memory_bytes"])
+    else:
+        extra["gpu_memory_utilization"] = mem_util
     longest = 0.0
     for e in engines:
         key = ENGINE_KEYS[e]
         if budget_s is not None and time.perf_counter() - t_run + longest > budget_s:
-            res.setdefault("skipped_engines", []).append(key)
+            for res in by_ctx.values():
+                res.setdefault("skipped_engines", []).append(key)
             print("SKIP", key, f"(budget {budget_s:.0f} s)", flush=True)
             continue
         t0 = time.perf_counter()
         traces, seen = work / f"trace_{key}", set()
         traces.mkdir()
-        kw = h.engine_kwargs(work / "target", drafters[e], load_format="dummy", max_num_seqs=max(batches),
-                             skip_tokenizer_init=True, gpu_memory_utilization=mem_util,
+        kw = h.engine_kwargs(work / "target", drafters[e], load_format="dummy",
+                             max_num_seqs=max(b for _, b in cells),
+                             skip_tokenizer_init=True, max_model_len=max(contexts) + gen_tokens + 64,
+                             max_num_batched_tokens=memory["budget"], enable_prefix_caching=True,
                              compilation_config={"cudagraph_capture_sizes": capture},
                              profiler_config={"profiler": "torch", "torch_profiler_dir": str(traces),
                                               "torch_profiler_with_stack": False}, **extra)
         if drafters[e] is not None and disable_by_batch_size is not None:
             kw["speculative_config"]["disable_by_batch_size"] = disable_by_batch_size
         llm = LLM(**kw)
-        row = res["engines"].setdefault(key, {"start_s": time.perf_counter() - t0, "batches": {}})
+        start_s = time.perf_counter() - t0
+        rows = {ctx: res["engines"].setdefault(key, {"start_s": start_s, "batches": {}})
+                for ctx, res in by_ctx.items()}
         try:
-            row["facts"] = {**h.engine_facts(llm), **_scheduler_facts(llm)}
-            pj.check_served(model, row["facts"])
-            prompts = {b: [{"prompt_token_ids": [7 + i] * 16} for i in range(b)] for b in batches}
-            for b in batches:  # warm-up: first replays, allocator
-                llm.generate(prompts[b], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            facts = {**h.engine_facts(llm), **_scheduler_facts(llm)}
+            pj.check_served(model, facts)
+            facts["copy_bandwidth_gbps"] = h.copy_bandwidth_gbps(llm)
+            q = pj.K + 1 if drafters[e] is not None else 1
+            facts["kv_splits"] = h.kv_split_facts(llm, [(b, q, ctx + gen_tokens) for ctx, b in cells])
+            h.dispatch_tally(llm, read=False)
+            for row in rows.values():
+                row["facts"] = facts
+            prompts = {c: prompts_for(*c) for c in cells}
+            for c in cells:  # warm-up: first replays, allocator, the prompts' KV in the prefix cache
+                llm.generate(prompts[c], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            h.dispatch_tally(llm, read=True)
             for r in range(repeats):
-                for b in batches:
-                    before = h.spec_counters(llm)
+                for ctx, b in cells:
+                    # The prompt comes from the prefix cache; its last partial
+                    # block and the first token are timed apart (max_tokens=1)
+                    # and taken out, so a step is a decode step at any context.
                     t1 = time.perf_counter()
-                    llm.generate(prompts[b], sp, use_tqdm=False)
+                    llm.generate(prompts[ctx, b], first, use_tqdm=False)
+                    t_first = time.perf_counter() - t1
+                    before = h.spec_counters(llm)
+                    h.dispatch_tally(llm, read=True)
+                    t1 = time.perf_counter()
+                    llm.generate(prompts[ctx, b], sp, use_tqdm=False)
                     dt = time.perf_counter() - t1
+                    tally = h.dispatch_tally(llm, read=True)
                     d = h.counters_delta(before, h.spec_counters(llm))
-                    steps = gen_tokens if drafters[e] is None else d["num_drafts"] / b
-                    rep = {"wall_s": dt, "steps": steps, "step_ms": 1000 * dt / steps,
-                           "num_drafts": d["num_drafts"], "mean_acceptance_length": d["mean_acceptance_length"]}
-                    row["batches"].setdefault(str(b), {"repeats": []})["repeats"].append(rep)
-                    json_write(path, res)
-            for b in batches:
+                    steps = gen_tokens - 1 if drafters[e] is None else d["num_drafts"] / b
+                    rep = {"wall_s": dt, "first_token_s": t_first, "steps": steps,
+                           "step_ms": 1000 * (dt - t_first) / steps, "num_drafts": d["num_drafts"],
+                           "mean_acceptance_length": d["mean_acceptance_length"], "graph_dispatch": tally}
+                    cell = rows[ctx]["batches"].setdefault(str(b), {"repeats": []})
+                    cell["repeats"].append(rep)
+                    cell["graph_mode"] = h.graph_mode_of(tally)
+                    json_write(result_path(out, model, tag, ctx, contexts), by_ctx[ctx])
+            for ctx, b in cells:
                 llm.start_profile()
-                llm.generate(prompts[b], SamplingParams(max_tokens=prof_tokens, ignore_eos=True), use_tqdm=False)
+                llm.generate(prompts[ctx, b], SamplingParams(max_tokens=prof_tokens, ignore_eos=True),
+                             use_tqdm=False)
                 llm.stop_profile()
-                steps = _profiled_steps(traces, seen)
-                row["batches"][str(b)]["profile"] = steps
-                json_write(path, res)
+                rows[ctx]["batches"][str(b)]["profile"] = _profiled_steps(traces, seen)
+                json_write(result_path(out, model, tag, ctx, contexts), by_ctx[ctx])
         finally:
             h.shutdown(llm)
-        row["engine_wall_s"] = time.perf_counter() - t0
-        longest = max(longest, row["engine_wall_s"])
+        wall = time.perf_counter() - t0
+        longest = max(longest, wall)
+        for ctx, res in by_ctx.items():
+            rows[ctx]["engine_wall_s"] = wall
+            res["summary"] = summarize(res)
+            json_write(result_path(out, model, tag, ctx, contexts), res)
+            print("ENGINE", key, f"context {ctx}",
+                  json.dumps({b: round(statistics.median(x["step_ms"] for x in v["repeats"]), 3)
+                              for b, v in rows[ctx]["batches"].items()}),
+                  json.dumps({b: v.get("graph_mode") for b, v in rows[ctx]["batches"].items()}),
+                  f"{wall:.0f} s", flush=True)
+    for ctx, res in by_ctx.items():
         res["summary"] = summarize(res)
-        json_write(path, res)
-        print("ENGINE", key, json.dumps({b: round(statistics.median(x["step_ms"] for x in v["repeats"]), 3)
-                                         for b, v in row["batches"].items()}), f"{row['engine_wall_s']:.0f} s",
-              flush=True)
-    res["summary"] = summarize(res)
-    json_write(path, res)
-    return res
+        json_write(result_path(out, model, tag, ctx, contexts), res)
+    return by_ctx
 
 
 def json_write(path: Path, res: dict) -> None:
@@ -230,6 +296,10 @@ def summarize(res: dict, acceptance=ACCEPTANCE_LENGTHS) -> dict:
             if prof and "gpu_kernel_ms" in prof:
                 s["gpu_ms"] = prof["gpu_kernel_ms"]
                 s["gpu_idle_ms"] = s["wall_ms"] - s["gpu_ms"]
+            if cell.get("graph_mode"):
+                s["graph_mode"] = cell["graph_mode"]
+            if prof and "attn_decode_gpu_ms" in prof:
+                s["attention"] = attention_vs_bound(res, row, int(b), prof)
             if "phases" in cell.get("profile", {}):
                 s["breakdown"] = breakdown(cell["profile"])
             out.setdefault(b, {})[key] = s
@@ -244,6 +314,24 @@ def summarize(res: dict, acceptance=ACCEPTANCE_LENGTHS) -> dict:
                                       "low": al * plain["wall_min_ms"] / s["wall_max_ms"],
                                       "high": al * plain["wall_max_ms"] / s["wall_min_ms"]}
                             for al in acceptance}
+    return out
+
+
+def attention_vs_bound(res: dict, row: dict, batch: int, prof: dict) -> dict:
+    """A profiled step's attention GPU time (decode and prefill kernels,
+    step_trace.KERNEL_GROUPS) beside its KV-bandwidth bound: the target's
+    latent KV the step must read (every request's context plus the tokens
+    of the profiled window, half of them on average) over the copy
+    bandwidth measured on the card."""
+    out = {"decode_ms": prof["attn_decode_gpu_ms"], "prefill_ms": prof.get("attn_prefill_gpu_ms", 0.0)}
+    out["total_ms"] = out["decode_ms"] + out["prefill_ms"]
+    bw = row.get("facts", {}).get("copy_bandwidth_gbps")
+    if bw and res.get("layers"):
+        per_token = res["layers"] * (512 + 64) * 2  # kv_lora_rank + qk_rope_head_dim, bf16
+        tokens = batch * (res.get("prompt_tokens", DEFAULT_CONTEXT) + res.get("prof_tokens", 0) / 2)
+        out["kv_read_mb"] = tokens * per_token / 1e6
+        out["kv_bound_ms"] = tokens * per_token / (bw * 1e9) * 1000
+        out["over_bound"] = out["total_ms"] / out["kv_bound_ms"]
     return out
 
 
@@ -277,7 +365,12 @@ def main(argv=None) -> int:
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--gen-tokens", type=int, default=128)
     r.add_argument("--layers", type=int, default=pj.FULL_LAYERS)
-    r.add_argument("--mem-util", type=float, default=0.8)
+    r.add_argument("--contexts", type=lambda t: [int(x) for x in t.split(",")], default=[DEFAULT_CONTEXT],
+                   help="prompt lengths in tokens, each timed at every batch in the same engine; one result "
+                        f"file per context (default {DEFAULT_CONTEXT})")
+    r.add_argument("--mem-util", type=float, default=None,
+                   help="gpu_memory_utilization with vLLM's memory profile; default: sized from the card's "
+                        "free memory and the KV cache the run needs (a fixed kv_cache_memory_bytes)")
     r.add_argument("--prof-tokens", type=int, default=12)
     r.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default")
     r.add_argument("--disable-by-batch-size", type=int, default=None,
@@ -297,21 +390,27 @@ def main(argv=None) -> int:
         res = run(args.model, args.engines, args.out, batches=args.batches, repeats=args.repeats,
                   gen_tokens=args.gen_tokens, layers=args.layers, mem_util=args.mem_util,
                   prof_tokens=args.prof_tokens, async_scheduling=args.async_scheduling,
-                  disable_by_batch_size=args.disable_by_batch_size, budget_s=args.budget_s, tag=args.tag)
+                  disable_by_batch_size=args.disable_by_batch_size, budget_s=args.budget_s, tag=args.tag,
+                  contexts=args.contexts)
+        for ctx, r in res.items():
+            print(f"context {ctx}:", json.dumps(summarize(r), indent=1))
+        return 0
     else:
-        res = {"engines": {}}
+        first = json.loads(args.results[0].read_text())
+        res = {"engines": {}, **{k: first.get(k) for k in ("layers", "prompt_tokens", "prof_tokens")}}
         for p in args.results:
             res["engines"].update(json.loads(p.read_text()).get("engines", {}))
         if args.out is not None:
-            first = json.loads(args.results[0].read_text())
             json_write(args.out, {
                 "what": "fulldepth.py summarize: speed-up at each acceptance length from measured wall steps",
                 "command": " ".join(["fulldepth.py", *(argv if argv is not None else sys.argv[1:])]),
                 "sources": {p.name: json.loads(p.read_text()).get("command") for p in args.results},
                 "model": first.get("model"), "layers": first.get("layers"), "k": first.get("k"),
                 "repeats": first.get("repeats"), "gen_tokens": first.get("gen_tokens"),
+                "prompt_tokens": first.get("prompt_tokens"), "card": first.get("card"),
                 "facts": {k: {f: v.get("facts", {}).get(f) for f in ("async_scheduling", "cudagraph_mode",
-                                                                     "attention_backends")}
+                                                                     "attention_backends", "mla_prefill",
+                                                                     "kv_splits", "copy_bandwidth_gbps")}
                           for k, v in res["engines"].items()},
                 "summary": summarize(res)})
     print(json.dumps(summarize(res), indent=1))

@@ -43,6 +43,16 @@ DRAFT_RANGE = "draft"
 PASS_END = "aten::argmax"
 OUTSIDE = "(outside runner ranges)"
 TOP_KERNELS = 15
+# GPU time per step of the attention kernels, by name (a substring), on the
+# registry build: the Triton MLA decode kernel's two stages, and what MLA
+# prefill runs there (a verify on a single-token decode backend):
+# FlashInfer's ragged prefill, the merge of context chunks and the gather
+# of the cached context. Prefill's up-projection of the context (kv_b_proj)
+# is a GEMM the trace cannot tell from the others.
+KERNEL_GROUPS = {
+    "attn_decode": ("_fwd_grouped_kernel_stage1", "_fwd_kernel_stage2"),
+    "attn_prefill": ("BatchPrefillWithRaggedKVCache", "merge_attn_states", "gather_and_maybe_dequant_cache"),
+}
 
 
 def step_breakdown(trace: dict, phases: bool = True) -> dict:
@@ -90,6 +100,9 @@ def step_breakdown(trace: dict, phases: bool = True) -> dict:
         row = {"period_ms": (hi - lo) / 1000, "execute_ms": a["dur"] / 1000,
                "after_execute_ms": (hi - mid) / 1000,
                "gpu_kernel_ms": sum(e["dur"] for e in gpu if lo <= e["ts"] < hi) / 1000}
+        for group, names in KERNEL_GROUPS.items():
+            row[f"{group}_gpu_ms"] = sum(e["dur"] for e in gpu if lo <= e["ts"] < hi
+                                         and any(n in str(e.get("name", "")) for n in names)) / 1000
         for part, (x, y) in (("execute", (lo, mid)), ("after_execute", (mid, hi))):
             calls = [str(e.get("name", "")) for e in runtime if x <= e["ts"] < y]
             row[f"{part}_graph_launches"] = sum(n.startswith("cudaGraphLaunch") for n in calls)

@@ -132,3 +132,67 @@ def test_a_breakdown_that_fails_keeps_the_step_times(tmp_path, monkeypatch):
     steps = fulldepth._profiled_steps(tmp_path, set())
     assert steps["median"]["gpu_kernel_ms"] > 0 and "phases" not in steps
     assert steps["breakdown_error"] == "KeyError: 'dur'"
+
+
+def _attention_trace(steps=4, kernels=(("_fwd_grouped_kernel_stage1", 300), ("_fwd_kernel_stage2", 50),
+                                       ("marlin_moe", 2000))):
+    """Steps of the named kernels (µs), one launch each, as the profiler writes them."""
+    cpu, gpu, ev, corr = {"pid": 9, "tid": 9}, {"pid": 0, "tid": 7}, [], [0]
+
+    def x(cat, name, ts, dur, who=cpu, **args):
+        ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **who, "args": args})
+
+    for i in range(steps):
+        t = 10000.0 * i
+        x("user_annotation", f"execute_context_0(0)_generation_{i}({i})", t, 3000)
+        x("user_annotation", "gpu_model_runner: forward", t + 100, 2000)
+        off = 200
+        for name, dur in kernels:
+            corr[0] += 1
+            x("cuda_runtime", "cudaLaunchKernel", t + off, 5, correlation=corr[0])
+            x("kernel", name, t + off + 100, dur, gpu, correlation=corr[0], grid=[1, 1, 1], block=[128, 1, 1])
+            off += 10
+    return {"traceEvents": ev}
+
+
+def test_attention_kernels_against_the_kv_bandwidth_bound(tmp_path):
+    (tmp_path / "rank0.1.pt.trace.json").write_text(json.dumps(_attention_trace()))
+    steps = fulldepth._profiled_steps(tmp_path, set())
+    assert steps["median"]["attn_decode_gpu_ms"] == pytest.approx(0.35)
+    assert steps["median"]["attn_prefill_gpu_ms"] == 0.0
+    res = _res([10.0], [12.0])
+    res.update(layers=61, prompt_tokens=8192, prof_tokens=8)
+    res["engines"]["eagle3"]["facts"] = {"copy_bandwidth_gbps": 3000.0}
+    res["engines"]["eagle3"]["batches"]["8"]["profile"] = steps
+    got = fulldepth.summarize(res)["8"]["eagle3"]["attention"]
+    # 8 requests x (8192 + 8 / 2) tokens x 61 layers x 576 x 2 bytes at 3000 GB/s
+    kv = 8 * (8192 + 4) * 61 * 576 * 2
+    assert got["kv_read_mb"] == pytest.approx(kv / 1e6)
+    assert got["kv_bound_ms"] == pytest.approx(kv / 3e12 * 1e3)
+    assert got["over_bound"] == pytest.approx(0.35 / (kv / 3e12 * 1e3))
+
+
+def test_prefill_kernels_count_as_attention(tmp_path):
+    trace = _attention_trace(kernels=(("BatchPrefillWithRaggedKVCacheKernel<...>", 400),
+                                      ("merge_attn_states_kernel", 20), ("gather_and_maybe_dequant_cache", 80),
+                                      ("nvjet_gemm", 900)))
+    (tmp_path / "rank0.1.pt.trace.json").write_text(json.dumps(trace))
+    med = fulldepth._profiled_steps(tmp_path, set())["median"]
+    assert med["attn_prefill_gpu_ms"] == pytest.approx(0.5) and med["attn_decode_gpu_ms"] == 0.0
+
+
+def test_one_result_file_per_context_and_distinct_prompts(tmp_path):
+    assert fulldepth.result_path(tmp_path, "m", "_t", 16, [16]).name == "fulldepth_m_t.json"
+    assert fulldepth.result_path(tmp_path, "m", "_t", 8192, [128, 8192]).name == "fulldepth_m_t_ctx8192.json"
+    p = fulldepth.prompts_for(300, 4)
+    assert [len(x["prompt_token_ids"]) for x in p] == [300] * 4
+    assert len({tuple(x["prompt_token_ids"][:64]) for x in p}) == 4  # no shared prefix block
+    assert max(t for x in p for t in x["prompt_token_ids"]) < 163840 // 8  # the rank's vocabulary share
+
+
+def test_a_run_that_fits_no_cell_stops_before_loading(tmp_path, capsys):
+    # an H100's 79.19 GiB: 32k context at batch 8 needs the H200
+    with pytest.raises(SystemExit, match=r"no cell fits H100.*GiB short"):
+        fulldepth.run("kimi-k25-int4", ["plain"], tmp_path, batches=[8], contexts=[32768],
+                      card=(int(79.19 * 2**30), int(78.6 * 2**30), "H100"))
+    assert "SKIP context x batch 32768x8: does not fit H100" in capsys.readouterr().out
