@@ -8,26 +8,42 @@
 One rank's share of every layer of the published config (project.py's
 ``geometry()``, the same per-rank target and drafters), all 61 layers, random
 weights (``load_format="dummy"``), vLLM's production settings: bf16, the
-backend vLLM picks, torch.compile and CUDA graphs (FULL_AND_PIECEWISE), async
-scheduling as vLLM 0.16 defaults it unless ``--async-scheduling`` says
-otherwise. Kimi-K2.5 INT4's experts must run on Marlin MoE, DeepSeek-V3's
-fp8 release (``--model deepseek-v3-fp8``) in fp8 (its facts name the GEMM of
-each linear shape, DeepGEMM or Triton, and the MoE backend), and the target
-on an MLA backend, or the run stops: the step times would not be the model's.
+backend vLLM picks, torch.compile and CUDA graphs (FULL_AND_PIECEWISE, which
+vLLM lowers where a backend cannot), prefix caching, async scheduling as vLLM
+0.16 defaults it unless ``--async-scheduling`` says otherwise. Kimi-K2.5
+INT4's experts must run on Marlin MoE, DeepSeek-V3's fp8 release
+(``--model deepseek-v3-fp8``) in fp8 (its facts name the GEMM of each linear
+shape, DeepGEMM or Triton, and the MoE backend), and the target on an MLA
+backend, or the run stops: the step times would not be the model's.
+
+Memory comes from the card, before anything loads (memory_plan.py): the
+rank share's weights counted from its config, the KV cache of the largest
+(context, batch) cell and an activation reserve set ``kv_cache_memory_bytes``,
+``gpu_memory_utilization`` and ``max_num_batched_tokens``; a cell the card
+cannot hold is skipped with one line naming the shortfall in GiB, and with no
+cell left the run stops. ``--mem-util`` uses vLLM's memory profile instead.
 
 ``run`` starts one engine per entry of ``--engines`` (plain, llama, mla), in
-that order, and in each times ``--gen-tokens`` greedy tokens at every batch of
-``--batches``, ``--repeats`` times, the batches interleaved within each repeat
-(1, 8, ..., 1, 8, ...), so drift over the engine's life spreads over every
-batch. Wall ms per step is the generate() wall over the steps taken: one per
-token plain, one per draft with EAGLE-3 (read from the spec-decode counters).
-After the timed repeats a short profiled window (vLLM's torch profiler) gives
-the median GPU kernel time per step; wall minus GPU time is the time the GPU
-sat idle in a step. The same window breaks the step down (step_trace.py):
-GPU and host time per runner phase (input preparation, target forward,
-sampler, each drafter pass and the inputs before it, bookkeeping) and the
-top kernels by GPU time with their grid and block. The result file is rewritten after every batch, so a run
-cut short keeps what it measured.
+that order, and in each times ``--gen-tokens`` greedy tokens at every
+(context, batch) cell of ``--contexts`` x ``--batches``, ``--repeats`` times,
+the cells interleaved within each repeat, so drift over the engine's life
+spreads over every cell. Each request's prompt of ``context`` tokens comes
+from the prefix cache; its first token is timed apart (a one-token
+generate()) and taken out, so the wall ms per step is decode only: one step
+per token plain, one per draft with EAGLE-3 (read from the spec-decode
+counters). Each cell records the CUDA-graph mode its uniform decode batches
+dispatched (plain decode, or the verify at k + 1 tokens), the engine the
+MLA prefill path, the Triton MLA decode kernel's KV splits and the card's
+copy bandwidth. After the timed repeats a short profiled window (vLLM's
+torch profiler) gives the median GPU kernel time per step; wall minus GPU
+time is the time the GPU sat idle in a step. The same window breaks the step
+down (step_trace.py): GPU and host time per runner phase (input preparation,
+target forward, sampler, each drafter pass and the inputs before it,
+bookkeeping), the top kernels by GPU time with their grid and block, and the
+attention kernels' GPU time, which ``summarize`` puts beside the step's
+KV-bandwidth bound (the latent KV it reads over the copy bandwidth). One
+result file per context, rewritten after every cell, so a run cut short
+keeps what it measured.
 
 With random weights every draft is rejected (acceptance length 1.0), so a
 step's cost is measured without the speed-up; ``summarize`` gives the speed-up
@@ -35,8 +51,8 @@ a drafter of acceptance length AL would bring, AL x plain wall / EAGLE-3 wall
 at AL 2.5 / 3.0 / 3.5, with its spread over the repeats (the lowest plain over
 the highest EAGLE-3 step, and the reverse). What it leaves out: the all-reduce
 between the 8 ranks (a plain step and a verify step pay it about equally, so
-it moves the speed-up toward AL), expert parallelism, long contexts (16-token
-prompts), and the cost of a draft's rejected tokens beyond the step itself.
+it moves the speed-up toward AL), expert parallelism, and the cost of a
+draft's rejected tokens beyond the step itself.
 """
 
 from __future__ import annotations
