@@ -610,13 +610,35 @@ def render_doc() -> str:
     return "\n".join(out)
 
 
+def mla_backends(d) -> list[str]:
+    """The MLA backends the target ran in a results file: every
+    ``attention_backends`` record's ``target`` entries that are MLA."""
+    found: set[str] = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            t = (x.get("attention_backends") or {}).get("target") if isinstance(x.get("attention_backends"),
+                                                                                dict) else None
+            found.update(b for b in (t or []) if "MLA" in b)
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(d)
+    return sorted(found)
+
+
 def render_readme_table() -> str:
-    rows = ["| claim | result | kernels | command | file |", "| --- | --- | --- | --- | --- |"]
+    rows = ["| claim | result | kernels (target's MLA backend) | command | file |", "| --- | --- | --- | --- | --- |"]
     for c in CLAIMS:
         if c.readme is None:
             continue
         d = load(c)
-        rows.append(f"| {_cell(c.title)} | {_cell(c.readme(d))} | {kernels_of(c)} | `{c.command}` | "
+        mla = mla_backends(d)
+        build = kernels_of(c) + (f" ({', '.join(mla)})" if mla else "")
+        rows.append(f"| {_cell(c.title)} | {_cell(c.readme(d))} | {build} | `{c.command}` | "
                     f"[{c.file[:10]}](tools/gpu_harness/results/{c.file}) |")
     return "\n".join(rows)
 

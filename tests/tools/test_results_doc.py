@@ -149,3 +149,15 @@ def test_a_fulldepth_summary_of_plain_and_one_drafter_renders(tmp_path, monkeypa
     assert "MLA drafter" not in doc.split("## " + claim.title, 1)[1].split("\n## ", 1)[0]
     assert "batch 64: Llama drafter, EAGLE-3 wall ms per step" in doc and "### Step breakdown" in doc
     assert claim.readme(d).startswith("Llama drafter ")
+
+
+def test_the_table_names_the_targets_mla_backend_from_the_results():
+    d = {"engines": {"plain": {"facts": {"attention_backends": {"target": ["TRITON_MLA"], "drafter": []}}},
+                     "eagle3": {"facts": {"attention_backends": {"target": ["TRITON_MLA"],
+                                                                 "drafter": ["TRITON_ATTN"]}}}},
+         "runs": [{"attention_backends": {"target": ["FLASH_ATTN_MLA", "FLASH_ATTN"]}}]}
+    assert results_doc.mla_backends(d) == ["FLASH_ATTN_MLA", "TRITON_MLA"]
+    assert results_doc.mla_backends({"x": 1}) == []
+    fulldepth = next(c for c in results_doc.CLAIMS if c.key == "fulldepth")
+    row = next(r for r in results_doc.render_readme_table().splitlines() if r.startswith(f"| {fulldepth.title}"))
+    assert "| FA3 build (FLASH_ATTN_MLA) |" in row
