@@ -170,8 +170,11 @@ def run(model: str, engines: list[str], out: Path, batches=DEFAULT_BATCHES, repe
     drafters = configs(model, engines, layers, work)
     tcfg = json.loads((work / "target" / "config.json").read_text())
     total, free, card_name = card or mp.card_memory()
+    drafter_kv = max([mp.drafter_kv_bytes_per_token(json.loads((d / "config.json").read_text()))
+                      for d in drafters.values() if d is not None], default=0)
     memory, cells, skipped = mp.plan_cells(tcfg, contexts, batches, gen_tokens, pj.K, total, free,
-                                           drafter=any(d is not None for d in drafters.values()))
+                                           drafter=any(d is not None for d in drafters.values()),
+                                           drafter_kv_per_token=drafter_kv)
     for cell, why in skipped.items():
         print(f"SKIP context x batch {cell}: does not fit {card_name}: {why}", flush=True)
     if not cells:
@@ -244,6 +247,11 @@ def run(model: str, engines: list[str], out: Path, batches=DEFAULT_BATCHES, repe
                     # The prompt comes from the prefix cache; its last partial
                     # block and the first token are timed apart (max_tokens=1)
                     # and taken out, so a step is a decode step at any context.
+                    # An untimed pass first puts the prompt back in the cache:
+                    # a long context may have been evicted by the other
+                    # cells, and the timed pass would then subtract a whole
+                    # prefill that the generation below does not pay.
+                    llm.generate(prompts[ctx, b], first, use_tqdm=False)
                     t1 = time.perf_counter()
                     llm.generate(prompts[ctx, b], first, use_tqdm=False)
                     t_first = time.perf_counter() - t1

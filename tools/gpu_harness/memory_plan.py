@@ -94,6 +94,18 @@ def kv_bytes_per_token(c: dict) -> int:
     return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
 
 
+def drafter_kv_bytes_per_token(c: dict) -> int:
+    """An EAGLE-3 drafter's own KV (bf16) a token: vLLM gives the drafter's
+    layers their own cache group beside the target's. The MLA drafter keeps
+    a latent, the Llama drafter K and V of its KV heads."""
+    layers = c.get("num_hidden_layers", 1)
+    if "kv_lora_rank" in c:
+        return layers * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    return layers * 2 * c.get("num_key_value_heads", heads) * head_dim * 2
+
+
 def kv_tokens(contexts, batches, gen_tokens: int, k: int) -> int:
     """KV tokens of the largest (context, batch) of the run, in whole blocks
     per request: prompt, generated tokens and one verify's drafts."""
@@ -106,12 +118,15 @@ def reserve_bytes(budget: int) -> float:
 
 
 def plan(cfg: dict, contexts, batches, gen_tokens: int, k: int, total_bytes: int,
-         free_bytes: int, drafter: bool) -> dict:
+         free_bytes: int, drafter: bool, drafter_kv_per_token: int = 0) -> dict:
     """{fits, budget, kv_cache_memory_bytes, gpu_memory_utilization, ...};
-    without ``fits``, ``shortfall_gib`` and a one-line ``reason``."""
+    without ``fits``, ``shortfall_gib`` and a one-line ``reason``.
+    ``drafter_kv_per_token``: drafter_kv_bytes_per_token() of the largest
+    drafter the run serves (0 for plain only)."""
     weights = weight_bytes(cfg) + (DRAFTER_MARGIN if drafter else 0)
     tokens = kv_tokens(contexts, batches, gen_tokens, k)
-    kv = int(tokens * kv_bytes_per_token(cfg) * 1.05)  # 5 %: the drafter's KV, block slack
+    # 5 %: block slack
+    kv = int(tokens * (kv_bytes_per_token(cfg) * 1.05 + drafter_kv_per_token))
     usable = min(free_bytes, MAX_UTIL * total_bytes)
     out = {"weights_gib": round(weights / GIB, 2), "kv_tokens": tokens, "kv_gib": round(kv / GIB, 2),
            "free_gib": round(free_bytes / GIB, 2), "total_gib": round(total_bytes / GIB, 2)}
@@ -130,7 +145,7 @@ def plan(cfg: dict, contexts, batches, gen_tokens: int, k: int, total_bytes: int
 
 
 def plan_cells(cfg: dict, contexts, batches, gen_tokens: int, k: int, total_bytes: int, free_bytes: int,
-               drafter: bool) -> tuple[dict, list[tuple[int, int]], dict[str, str]]:
+               drafter: bool, drafter_kv_per_token: int = 0) -> tuple[dict, list[tuple[int, int]], dict[str, str]]:
     """(plan, cells, skipped): the plan sized for the (context, batch) cells
     that fit the card one by one, those cells, and for each cell that does
     not fit the line why ("CONTEXTxBATCH": reason). With no cell fitting,
@@ -138,17 +153,17 @@ def plan_cells(cfg: dict, contexts, batches, gen_tokens: int, k: int, total_byte
     cells, skipped = [], {}
     for ctx in contexts:
         for b in batches:
-            p = plan(cfg, [ctx], [b], gen_tokens, k, total_bytes, free_bytes, drafter)
+            p = plan(cfg, [ctx], [b], gen_tokens, k, total_bytes, free_bytes, drafter, drafter_kv_per_token)
             if p["fits"]:
                 cells.append((ctx, b))
             else:
                 skipped[f"{ctx}x{b}"] = p["reason"]
     if not cells:
-        return plan(cfg, [min(contexts)], [min(batches)], gen_tokens, k, total_bytes, free_bytes, drafter), [], skipped
+        return plan(cfg, [min(contexts)], [min(batches)], gen_tokens, k, total_bytes, free_bytes, drafter, drafter_kv_per_token), [], skipped
     ctxs = sorted({c for c, _ in cells})
     # the KV of the largest fitting cell (plan takes the max over its product)
     worst = max(cells, key=lambda c: kv_tokens([c[0]], [c[1]], gen_tokens, k))
-    return plan(cfg, [worst[0]], [worst[1]], gen_tokens, k, total_bytes, free_bytes, drafter), \
+    return plan(cfg, [worst[0]], [worst[1]], gen_tokens, k, total_bytes, free_bytes, drafter, drafter_kv_per_token), \
         [c for c in cells if c[0] in ctxs], skipped
 
 

@@ -5,6 +5,8 @@ it; and the plan fulldepth.py sizes its engine with, or refuses."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tools.gpu_harness import memory_plan as mp
@@ -71,3 +73,43 @@ def test_cells_that_do_not_fit_are_skipped_one_by_one():
     assert all(w.endswith("GiB short") for w in skipped.values())
     # sized for the largest cell that runs: 8192 at batch 1 (130 blocks) over 128 at 32 (32 x 4 blocks)
     assert plan["kv_tokens"] == 130 * 64
+
+
+@pytest.mark.parametrize("engine", ["llama", "mla"])
+def test_an_eagle3_engine_gets_the_kv_vllm_asks_for_one_longest_request(tmp_path, engine):
+    """vLLM refuses to start unless the KV cache holds one request of
+    max_model_len in every cache group: the target's latent layers and the
+    drafter's own. On an H100 on 2026-12-07 the plan counted the target only
+    and the Llama drafter's engine refused to start ("0.58 GiB KV cache is
+    needed ... larger than the available KV cache memory (0.57 GiB)"). The
+    bytes a token are vLLM's own KV specs, not the plan's arithmetic."""
+    torch = pytest.importorskip("torch")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from tools.gpu_harness import fulldepth as fd
+
+    drafters = fd.configs("kimi-k25-int4", [engine], 61, tmp_path)
+    target = json.loads((tmp_path / "target" / "config.json").read_text())
+    drafter = json.loads((drafters[engine] / "config.json").read_text())
+    block = 64
+    latent = target["kv_lora_rank"] + target["qk_rope_head_dim"]
+    per_token = target["num_hidden_layers"] * MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, head_size=latent, dtype=torch.bfloat16).page_size_bytes // block
+    if "kv_lora_rank" in drafter:
+        spec = MLAAttentionSpec(block_size=block, num_kv_heads=1,
+                                head_size=drafter["kv_lora_rank"] + drafter["qk_rope_head_dim"],
+                                dtype=torch.bfloat16)
+    else:
+        heads = drafter["num_attention_heads"]
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=drafter["num_key_value_heads"],
+                                 head_size=drafter.get("head_dim") or drafter["hidden_size"] // heads,
+                                 dtype=torch.bfloat16)
+    per_token += drafter.get("num_hidden_layers", 1) * spec.page_size_bytes // block
+    max_model_len = 8192 + 64 + 64  # fulldepth.py: context + generated tokens + 64
+    plan, cells, _ = mp.plan_cells(target, [8192], [1], 64, 3, *H100, drafter=True,
+                                   drafter_kv_per_token=mp.drafter_kv_bytes_per_token(drafter))
+    assert cells == [(8192, 1)]
+    assert plan["kv_cache_memory_bytes"] >= max_model_len * per_token
+    if engine == "llama":  # counting the target alone falls short, as it did on the H100
+        alone, _, _ = mp.plan_cells(target, [8192], [1], 64, 3, *H100, drafter=True)
+        assert alone["kv_cache_memory_bytes"] < max_model_len * per_token
