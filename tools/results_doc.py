@@ -315,6 +315,15 @@ def _fulldepth(d: dict) -> list[tuple[str, str]]:
             rows.append((f"batch {b}: {name}, break-even acceptance length (EAGLE-3 wall / plain wall, range)",
                          f"{f2(e['wall_ms'] / p['wall_ms'])} ({f2(e['wall_min_ms'] / p['wall_max_ms'])}-"
                          f"{f2(e['wall_max_ms'] / p['wall_min_ms'])})"))
+        for key in ("plain", *FULL_DRAFTERS):  # files of fulldepth.py since the graph mode and the bound
+            e, name = s[b].get(key, {}), "plain" if key == "plain" else FULL_DRAFTERS[key]
+            if "graph_mode" in e:
+                rows.append((f"batch {b}: {name}, CUDA graph the measured steps replayed", e["graph_mode"]))
+            if "attention" in e:
+                a = e["attention"]
+                rows.append((f"batch {b}: {name}, attention GPU ms per step / KV-bandwidth bound ms "
+                             f"({a['kv_read_mb']:.0f} MB of latent KV)",
+                             f"{_ms(a['total_ms'])} / {_ms(a['kv_bound_ms'])} ({a['over_bound']:.1f}x the bound)"))
     return rows
 
 
@@ -361,6 +370,32 @@ def _fulldepth_breakdown(d: dict) -> list[str]:
                     for k in bd.get("top_kernels", [])[:5]]
             out.append("")
     return out
+
+
+def _fulldepth_triton_readme(d: dict) -> str:
+    s = d["summary"]
+    bs = [b for b in FULL_BATCHES if "eagle3" in s.get(b, {})]
+    return (f"with the proposed TRITON_MLA mails, context {d['prompt_tokens']}: plain decode "
+            f"{slash(f2(s[b]['plain']['wall_ms']) for b in bs)} ms a step, "
+            f"Llama drafter {slash(f2(s[b]['eagle3']['speedup']['3.0']['median']) + 'x' for b in bs)} at batch "
+            f"{' / '.join(bs)}, acceptance length 3.0; verify and decode replay "
+            f"{slash(sorted({s[b][k]['graph_mode'] for b in bs for k in ('plain', 'eagle3')}))} graphs")
+
+
+def _acceptance_cut(d: dict) -> list[tuple[str, str]]:
+    b = d["bench"]
+    rows = [("outcome", d["outcome"]),
+            ("graph mode kept / drafter's", f"{b['eagle3_trained']['engine']['target_dispatcher_mode']} / "
+                                           f"{b['eagle3_trained']['engine']['drafter_dispatcher_mode']}"),
+            ("mean acceptance length, trained drafter, batch 1 / 8 / 32", mal(b["eagle3_trained"])),
+            ("greedy output equal to plain decoding", agree(b["eagle3_trained"]["agreement_with_plain"]))]
+    if "eagle3_random" in b:
+        rows += [("random drafter", mal(b["eagle3_random"])),
+                 ("random drafter: greedy output equal to plain", agree(b["eagle3_random"]["agreement_with_plain"]))]
+    if "eagle3_shifted_aux_ids" in b:
+        rows.append(("recorded: ids shifted by one (0, 2, 5), batch 8",
+                     f2(b["eagle3_shifted_aux_ids"]["batch8"]["mean_acceptance_length"])))
+    return rows
 
 
 def _fulldepth_readme(d: dict) -> str:
@@ -499,6 +534,35 @@ CLAIMS = [
           "parallelism and long contexts",
           "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --out DIR", _fulldepth,
           _fulldepth_readme, _fulldepth_breakdown),
+    Claim("fulldepth-triton-before", "61 layers on TRITON_MLA (registry build), plain decode: before the TRITON_MLA mails",
+          "2026-12-07_h100_fulldepth_kimi_k25_int4_registry_before.json",
+          f"{REGISTRY}; Marlin MoE; random weights; on an H100; 16-token prompts, 48 tokens, one repeat; the "
+          "26-patch series (main at 5db8d4c), PIECEWISE graphs (vLLM drops FULL for TritonMLABackend)",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --engines plain --batches 1,8 "
+          "--repeats 1 --gen-tokens 48 --out DIR", _fulldepth),
+    Claim("fulldepth-triton-after-128", "61 layers on TRITON_MLA with the proposed TRITON_MLA mails, context 128",
+          "2026-12-07_h100_fulldepth_kimi_k25_int4_triton_mla_after_ctx128.json",
+          f"{REGISTRY}; Marlin MoE; random weights (acceptance 1.0 measured, so the speed-up is AL x plain wall / "
+          "EAGLE-3 wall); on an H100; the series plus `patches/proposed/triton-mla-verify-as-decode.mbox`; k = 3, "
+          "prompts from the prefix cache, 64 tokens, 2 interleaved repeats, Llama drafter on TRITON_ATTN",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --engines plain,llama --contexts 128,8192 "
+          "--batches 1,8 --repeats 2 --gen-tokens 64 --out DIR", _fulldepth, _fulldepth_triton_readme),
+    Claim("fulldepth-triton-after-8192", "61 layers on TRITON_MLA with the proposed TRITON_MLA mails, context 8192",
+          "2026-12-07_h100_fulldepth_kimi_k25_int4_triton_mla_after_ctx8192.json",
+          f"{REGISTRY}; as the row above, the same engines; batch 8 at 8192 does not fit an H100 beside the weights",
+          "python tools/gpu_harness/fulldepth.py run --model kimi-k25-int4 --engines plain,llama --contexts 128,8192 "
+          "--batches 1,8 --repeats 2 --gen-tokens 64 --out DIR", _fulldepth, _fulldepth_triton_readme),
+    Claim("acceptance-triton", "EAGLE-3 acceptance on TRITON_MLA with the proposed TRITON_MLA mails (cut)",
+          "2026-12-07_h100_acceptance_triton_mla_after_cut.json",
+          f"{REGISTRY}; production settings, FULL_AND_PIECEWISE kept; on an H100; the series plus "
+          "`patches/proposed/triton-mla-verify-as-decode.mbox`",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_acceptance.py", _acceptance_cut),
+    Claim("int4-acceptance-triton", "Kimi-K2.5 INT4 acceptance on TRITON_MLA with the proposed TRITON_MLA mails (cut)",
+          "2026-12-07_h100_int4_acceptance_triton_mla_after_cut.json", f"{REGISTRY}; as the row above",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_int4.py -k acceptance", _acceptance_cut),
+    Claim("smoke-registry", "Smoke tests on the registry build: greedy output equal with each drafter layout",
+          "2026-12-07_h100_smoke_registry.json", f"{REGISTRY}; float32, eager, MLA off (TRITON_ATTN); on an H100",
+          "pytest -m gpu tests/e2e/gpu/test_eagle3_e2e.py tests/e2e/gpu/test_eagle3_mla_drafter_e2e.py", _smoke),
     Claim("fulldepth-fa3-series", "61 layers, the series, back to back with the zero-bubble mail: before",
           "2026-12-04_h200_fulldepth_kimi_k25_int4_fa3_series_summary.json",
           f"{BUILT}; as the 61-layer row, 2 repeats of 64 tokens; the 26-patch series (main at 87d0ee3)",
