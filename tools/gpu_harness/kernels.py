@@ -241,6 +241,11 @@ def stage(args: argparse.Namespace) -> int:
     size = sum(p.stat().st_size for p in STAGE_DIR.iterdir() if p.is_file())
     print(f"[{TOOL}] staged {len(manifest)} archives in {STAGE_DIR} ({size / 2**20:.1f} MiB); "
           f"carry '.device/kernels'")
+    # The built libraries of these sources, when the device cache has them
+    # (device_cache.py): the device then skips the build.
+    from tools.gpu_harness import device_cache
+
+    print(f"[{TOOL}] {device_cache.lay('kernels', device_cache.inputs('kernels', REPO_ROOT), REPO_ROOT)}")
     return 0
 
 
