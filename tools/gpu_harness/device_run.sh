@@ -89,7 +89,7 @@ export PYTHONPATH="$SITE"
 measured_s() {
   case $1 in
     kernels) echo 278 ;;
-    e2e) echo 350 ;;
+    e2e) echo 371 ;;
     acceptance) echo 327 ;;
     int4-aux) echo 377 ;;
     fulldepth-plain,llama) echo 461 ;;
