@@ -11,7 +11,9 @@ and verified by tools.fetch: the sdist's ``CMakeLists.txt``, ``cmake/`` and
 ``csrc/`` (from ``vllm-0.16.0.tar.gz``), and the ``nvidia-cutlass`` wheel,
 whose ``cutlass_library/source`` holds CUTLASS's C++ headers and whose
 ``cutlass_library`` package is the generator vLLM's CMake runs for Machete's
-kernel sources (at configure time, from ``${CUTLASS_DIR}/python``).
+kernel sources (at configure time, from ``${CUTLASS_DIR}/python``). It then
+lays the ``kernels-libs.tar.xz`` built from them, when the device cache holds
+one whose key matches (device_cache.py), so that the device skips the build.
 
 ``build`` verifies both again (the wheel against pin.toml, the sdist subset
 against the digest stage recorded from the verified sdist), unpacks them, and

@@ -268,3 +268,42 @@ def test_import_shared_refuses_a_file_whose_digest_is_not_the_readme_s(tree, tmp
     (shared / "README.md").write_text(f"- kernels-libs.tar.xz {'0' * 64}\n")
     with pytest.raises(StackError, match="README.md says 000000000000"):
         dc.import_shared(shared, "HEAD", "2.11.0+cu130", tree)
+
+
+def test_prepare_lays_the_jit_cache_and_the_pairs_it_finds(tree, tmp_path, monkeypatch, capsys):
+    """prepare.py's main, its staging of vLLM and the wheels stood in (they
+    download the official wheel): after the wheels, it lays what the cache
+    holds for them."""
+    import prepare
+
+    _git(tree, "init", "-q")
+    (tree / ".device/vllm").mkdir(parents=True)
+    (tree / ".device/vllm/vllm-py.tar.xz").write_bytes(b"staged")
+    monkeypatch.setattr(prepare, "REPO_ROOT", tree)
+    monkeypatch.setattr(prepare, "DEVICE_DIR", tree / ".device")
+    monkeypatch.setattr(prepare, "find_wheel", lambda: (tmp_path / "vllm.whl", "0" * 64))
+    monkeypatch.setattr(prepare, "stage_vllm", lambda *a, **k: {"variant": "stand-in"})
+    monkeypatch.setattr(prepare, "stage_wheels", lambda *a, **k: [])
+    key = dc.store("fi-jit", _artifact(tmp_path / "fi-jit.tar.xz"), dc.inputs("fi-jit", tree), "test")
+    assert prepare.main(["--no-download"]) == 0
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[prepare]")]
+    assert out[0].startswith(f"[prepare] cached fi-jit.tar.xz laid into .device/fi-jit ({key}")
+    assert out[1].startswith("[prepare] no cached pair-dsv3.tgz") and out[2].startswith("[prepare] no cached pair-kimi")
+    assert (tree / ".device/fi-jit/fi-jit.tar.xz").is_file()
+    assert {p.name for p in (tree / ".device/pairs").iterdir()} == {"pair-dsv3.key.json", "pair-kimi.key.json"}
+
+
+def test_kernels_stage_lays_the_build_of_what_it_staged(tree, tmp_path, monkeypatch, capsys):
+    """kernels.py stage with the pinned sdist and CUTLASS wheel (from the
+    download cache, verified): the first stage finds nothing cached; once
+    the cache holds a build of those inputs, the next stage lays it."""
+    import kernels
+
+    monkeypatch.setattr(kernels, "REPO_ROOT", tree)
+    monkeypatch.setattr(kernels, "STAGE_DIR", tree / ".device/kernels")
+    kernels.stage(None)
+    assert "[kernels] no cached kernels-libs.tar.xz" in capsys.readouterr().out
+    key = dc.store("kernels", _artifact(tmp_path / "kernels-libs.tar.xz"), dc.inputs("kernels", tree), "test")
+    kernels.stage(None)
+    assert f"[kernels] cached kernels-libs.tar.xz laid into .device/kernels ({key}" in capsys.readouterr().out
+    assert (tree / ".device/kernels/kernels-libs.tar.xz").read_bytes() == b"stand-in artifact"
