@@ -251,8 +251,9 @@ def lay(kind: str, ins: dict[str, str], root: Path = REPO_ROOT) -> str:
         if old and old.get("key") == key and old.get("sha256") == sha256_path(laid):
             return f"{rel}/{name} already holds {key}: inputs unchanged"
         laid.unlink()
-        notes.append(f"removed the stale {rel}/{name}: "
-                     + (changed(old["inputs"], ins) if old else "no key file says what it was made of"))
+        why = ("no key file says what it was made of" if not old else changed(old["inputs"], ins)
+               if old.get("key") != key else "its sha256 is not its key file's")
+        notes.append(f"removed the stale {rel}/{name}: {why}")
     hit = cache_root() / key / "key.json"
     rec = None
     if hit.is_file():

@@ -159,6 +159,17 @@ def test_laid_artifact_of_other_inputs_is_removed(tree, tmp_path):
     assert not (tree / ".device/pairs/pair-dsv3.tgz").exists()
 
 
+def test_laid_artifact_changed_since_it_was_laid_is_laid_again(tree, tmp_path):
+    ins = dc.inputs("fi-jit", tree)
+    dc.store("fi-jit", _artifact(tmp_path / "fi-jit.tar.xz", b"jit cache"), ins, "test")
+    dc.lay("fi-jit", ins, tree)
+    (tree / ".device/fi-jit/fi-jit.tar.xz").write_bytes(b"overwritten")
+    line = dc.lay("fi-jit", ins, tree)
+    assert line.startswith("removed the stale .device/fi-jit/fi-jit.tar.xz: its sha256 is not its key file's; "
+                           "cached fi-jit.tar.xz laid")
+    assert (tree / ".device/fi-jit/fi-jit.tar.xz").read_bytes() == b"jit cache"
+
+
 def test_laid_artifact_without_a_key_file_is_removed(tree):
     (tree / ".device/pairs").mkdir()
     _artifact(tree / ".device/pairs/pair-kimi.tgz")
