@@ -6,6 +6,7 @@
     python3 tools/gpu_harness/device_cache.py put DIR          store what a device call returned
     python3 tools/gpu_harness/device_cache.py import-shared DIR --built-at COMMIT --torch VERSION
     python3 tools/gpu_harness/device_cache.py list
+    python3 tools/gpu_harness/device_cache.py check-laid --torch VERSION       (on the device)
     python3 tools/gpu_harness/device_cache.py seal --out DIR --torch VERSION FILE...   (on the device)
 
 Three kinds of artifact take minutes to make on a fresh device; each gets a
@@ -31,7 +32,10 @@ one directory per key holding the artifact and ``key.json``. ``kernels.py
 stage`` and ``prepare.py`` lay the artifact whose key matches into
 ``.device/`` with ``<name>.key.json`` beside it, and say so; a cached or laid
 artifact of other inputs is never used: the line names the inputs that
-changed. ``device_run.sh`` builds what was not laid, and ``seal`` lists what
+changed. On the device, ``check-laid`` removes a carried kernels build or
+pair whose key file is not that of the tree it came with and the device's
+torch (a tree changed after staging), and ``device_run.sh`` builds what is
+not there; ``seal`` lists what
 it made in ``artifacts.json`` (the key file it was carried with, the device's
 torch, the sha256); ``put`` stores each after checking its digest and that its
 inputs are the current ones.
@@ -276,6 +280,39 @@ def lay(kind: str, ins: dict[str, str], root: Path = REPO_ROOT) -> str:
 
 # --- the device side, and back -----------------------------------------------
 
+def check_laid(torch: str, root: Path = REPO_ROOT) -> list[str]:
+    """On the device: each laid kernels build and pair checked against the
+    inputs of the tree it travelled with and this device's torch; a stale one
+    is removed (the device then makes it). FlashInfer's JIT cache is not
+    checked here: its wheels travel unpacked (``.device/site``)."""
+    lines = []
+    for kind in ("kernels", "pair-dsv3", "pair-kimi"):
+        name, rel = ARTIFACTS[kind]
+        laid = root / rel / name
+        if not laid.is_file():
+            continue
+        keyfile = root / rel / (name.split(".")[0] + ".key.json")
+        old = json.loads(keyfile.read_text()) if keyfile.is_file() else None
+        if old is None:
+            why = "no key file says what it was made of"
+        else:
+            try:
+                now = inputs(kind, root, torch=torch)
+                why = None if old["inputs"] == now else changed(old["inputs"], now)
+            except StackError as e:
+                why = f"its inputs cannot be read here: {e}"
+            if why is None and old.get("sha256") is None:
+                why = "it was not laid from the cache (device_cache.py put, then stage again)"
+            elif why is None and old["sha256"] != sha256_path(laid):
+                why = "its sha256 is not its key file's"
+        if why is None:
+            lines.append(f"{rel}/{name}: {old['key']}, inputs match")
+        else:
+            laid.unlink()
+            lines.append(f"{rel}/{name} not used (removed): {why}")
+    return lines
+
+
 def seal(out: Path, torch: str, files: list[Path], root: Path = REPO_ROOT) -> dict:
     """On the device: ``out/artifacts.json`` lists each made artifact with
     the key file it was carried with (its inputs as the host computed them),
@@ -402,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--built-at", required=True, metavar="COMMIT", help="the commit they were built at")
     i.add_argument("--torch", required=True, help="the device torch they were built with")
     sub.add_parser("list", help="what the cache holds")
+    c = sub.add_parser("check-laid", help="(device_run.sh, on the device) remove a stale carried artifact")
+    c.add_argument("--torch", required=True)
     s = sub.add_parser("seal", help="(device_run.sh, on the device) list made artifacts in OUT/artifacts.json")
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--torch", required=True)
@@ -421,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         for kind in ARTIFACTS:
             for rec in entries(kind):
                 print(f"{rec['key']}  {rec['stored']}  {rec['file']}  from {rec['from']}")
+    elif a.cmd == "check-laid":
+        for line in check_laid(a.torch):
+            print(f"== {line}")
     else:
         seal(a.out, a.torch, a.files)
     return 0

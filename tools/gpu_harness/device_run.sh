@@ -43,8 +43,8 @@
 #          case; serving-soak its soak
 #   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them;
 #          skipped when the carried .device/kernels/kernels-libs.tar.xz (laid
-#          from the device cache by kernels.py stage) was built for this
-#          device's torch. KERNELS=DIR or KERNELS=kernels-libs.tar.xz names an
+#          from the device cache by kernels.py stage) is the build of the
+#          carried sources and kernels.py for this device's torch. KERNELS=DIR or KERNELS=kernels-libs.tar.xz names an
 #          earlier build (default: the carried one); setup refuses to run
 #          without one
 #   sh-NAME  the shell command in $SH_NAME (NAME upper-cased, "-" as "_"):
@@ -148,19 +148,13 @@ publish() {
 # libraries and kernels.json also go to $OUT. KERNELS=DIR reuses a build.
 KERNELS_OUT=${KERNELS_OUT:-.device/kernels/out}
 DEVICE_TORCH=${DEVICE_TORCH:-$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)}
-# The carried build, laid from the device cache with its key file; used only
-# if it was built for this device's torch.
+# The carried kernels build and pairs (laid from the device cache with their
+# key files): a stale one (its tree or torch changed since) is removed.
+python3 tools/gpu_harness/device_cache.py check-laid --torch "$DEVICE_TORCH" 2>&1 | tee -a "$OUT/summary.log"
 if [[ -z ${KERNELS:-} && -f .device/kernels/kernels-libs.tar.xz ]]; then
-  built_for=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["inputs"]["device torch"])' \
-                .device/kernels/kernels-libs.key.json 2>/dev/null || echo unknown)
-  if [[ $built_for == "$DEVICE_TORCH" ]]; then
-    export KERNELS=.device/kernels/kernels-libs.tar.xz
-    STAGES=" $STAGES "; STAGES=${STAGES// kernels / }
-    echo "== kernels: the carried kernels-libs.tar.xz (torch $built_for) is used, not rebuilt" | tee -a "$OUT/summary.log"
-  else
-    echo "== kernels: the carried kernels-libs.tar.xz was built for torch $built_for, this device has $DEVICE_TORCH: not used" \
-      | tee -a "$OUT/summary.log"
-  fi
+  export KERNELS=.device/kernels/kernels-libs.tar.xz
+  STAGES=" $STAGES "; STAGES=${STAGES// kernels / }
+  echo "== kernels: the carried kernels-libs.tar.xz is used, not rebuilt" | tee -a "$OUT/summary.log"
 fi
 if [[ " $STAGES " == *" kernels "* ]]; then
   # 480 s: the cold build with FA3 and DeepGEMM took 291-309 s; Marlin MoE's

@@ -36,7 +36,8 @@ def root(tmp_path, monkeypatch):
     """A checkout with what device_run.sh and device_cache.py read."""
     root = tmp_path / "tree"
     for rel in ("tools/__init__.py", "tools/_common.py", f"{H}/__init__.py", f"{H}/device_run.sh",
-                f"{H}/device_cache.py", f"{H}/wheels.txt", *dc.PAIR_CODE):
+                f"{H}/device_cache.py", f"{H}/wheels.txt", f"{H}/kernels.py", f"{H}/kernel_subset.cmake",
+                *dc.PAIR_CODE):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, root / rel)
     monkeypatch.setenv("VLLM_EAGLE3_DEVICE_CACHE", str(tmp_path / "cache"))
@@ -142,29 +143,55 @@ def test_artifact_made_on_the_device_comes_back_keyed_and_put_takes_it(root, tmp
         del os.environ["VLLM_EAGLE3_DEVICE_TORCH"]
 
 
-def _carried_kernels(root, torch):
-    d = root / ".device/kernels"
-    d.mkdir(parents=True)
-    (d / "kernels-libs.tar.xz").write_bytes(b"stand-in build")
-    (d / "kernels-libs.key.json").write_text(json.dumps({"kind": "kernels", "inputs": {"device torch": torch}}))
+def _carried_kernels(root, tmp_path, torch="2.11.0+cu130"):
+    """kernels.py stage's work: the staged sources' digests, and a build
+    (stand-in bytes) laid from the cache with its key file."""
+    (root / ".device/kernels").mkdir(parents=True)
+    (root / ".device/kernels/sources.json").write_text(json.dumps({"vllm-src": "a" * 64}))
+    ins = dc.inputs("kernels", root, torch=torch)
+    (tmp_path / "kernels-libs.tar.xz").write_bytes(b"stand-in build")
+    dc.store("kernels", tmp_path / "kernels-libs.tar.xz", ins, "test")
+    assert dc.lay("kernels", ins, root).startswith("cached")
 
 
-def test_carried_kernels_built_for_this_torch_skip_the_build(root, tmp_path):
-    _carried_kernels(root, "2.11.0+cu130")
+def test_carried_kernels_of_this_tree_and_torch_skip_the_build(root, tmp_path):
+    _carried_kernels(root, tmp_path)
     out = tmp_path / "out"
     r = _run(root, out, 60, ["kernels", "sh-k"], DEVICE_TORCH="2.11.0+cu130", SH_K='echo "KERNELS=$KERNELS"')
-    assert "== kernels: the carried kernels-libs.tar.xz (torch 2.11.0+cu130) is used, not rebuilt" in r.stdout
+    assert "== .device/kernels/kernels-libs.tar.xz: kernels-" in r.stdout
+    assert "== kernels: the carried kernels-libs.tar.xz is used, not rebuilt" in r.stdout
     assert "== kernels (limit" not in r.stdout
     assert "KERNELS=.device/kernels/kernels-libs.tar.xz" in _members(out / "logs.tgz")["sh-k.log"]
 
 
-def test_carried_kernels_built_for_another_torch_are_not_used(root, tmp_path):
-    _carried_kernels(root, "2.11.0+cu130")
+@pytest.mark.parametrize("change,why", [
+    (lambda root: None, "device torch changed (2.11.0+cu130 -> 2.12.0+cu130)"),
+    (lambda root: (root / H / "kernel_subset.cmake").write_text("# changed after staging\n"),
+     "kernel_subset.cmake changed"),
+], ids=["torch", "tree"])
+def test_carried_kernels_of_another_torch_or_tree_are_not_used(root, tmp_path, change, why):
+    """A device with another torch, or a tree changed after kernels.py
+    stage laid the build: the carried build is removed, and with the kernels
+    stage in the plan it would be built."""
+    _carried_kernels(root, tmp_path)
+    change(root)
     out = tmp_path / "out"
-    r = _run(root, out, 60, ["sh-k"], DEVICE_TORCH="2.12.0+cu130", SH_K='echo "KERNELS=$KERNELS."')
-    assert ("== kernels: the carried kernels-libs.tar.xz was built for torch 2.11.0+cu130, this device has "
-            "2.12.0+cu130: not used") in r.stdout
+    r = _run(root, out, 60, ["sh-k"], DEVICE_TORCH="2.12.0+cu130" if "torch" in why else "2.11.0+cu130",
+             SH_K='echo "KERNELS=$KERNELS."')
+    assert f"== .device/kernels/kernels-libs.tar.xz not used (removed): {why}" in r.stdout
     assert "KERNELS=." in _members(out / "logs.tgz")["sh-k.log"]
+    assert not (root / ".device/kernels/kernels-libs.tar.xz").exists()
+
+
+def test_carried_pair_of_a_changed_tree_is_not_used(root, tmp_path):
+    ins = dc.inputs("pair-kimi", root, torch="2.11.0+cu130")
+    (tmp_path / "pair-kimi.tgz").write_bytes(b"trained")
+    dc.store("pair-kimi", tmp_path / "pair-kimi.tgz", ins, "test")
+    dc.lay("pair-kimi", ins, root)
+    (root / "tests/e2e/gpu/serving_pairs.py").write_text("# trains otherwise now\n")
+    r = _run(root, tmp_path / "out", 60, ["sh-k"], DEVICE_TORCH="2.11.0+cu130", SH_K="true")
+    assert ("== .device/pairs/pair-kimi.tgz not used (removed): tests/e2e/gpu/serving_pairs.py changed"
+            in r.stdout)
 
 
 def test_flashinfer_jit_cache_comes_back_when_it_grew(root, tmp_path):
