@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:
 bash tools/gpu_harness/device_setup.sh /tmp/site >"$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
 for s in "$@"; do
   mkdir -p "$OUT/$s"
-  SKIP_SETUP=1 OUT="$OUT/$s" bash tools/gpu_harness/device_run.sh "$s" >"$OUT/$s/run.log" 2>&1 &
+  SKIP_SETUP=1 OUT_PACK=0 OUT="$OUT/$s" bash tools/gpu_harness/device_run.sh "$s" >"$OUT/$s/run.log" 2>&1 &
 done
 wait
 for s in "$@"; do echo "== $s"; tail -12 "$OUT/$s/run.log" | cut -c1-1500; done

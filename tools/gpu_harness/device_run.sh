@@ -41,16 +41,36 @@
 #   serving  tests/e2e/gpu/test_eagle3_serving.py: EAGLE-3 under serving conditions, both
 #          pairs side by side (SERVING_K narrows the cases); serving-calibrate its calibrate
 #          case; serving-soak its soak
-#   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them
-#          (without this stage, KERNELS=DIR or KERNELS=kernels-libs.tar.xz names
-#          an earlier build; setup refuses to run without one)
-# Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out;
-# OUT_PACK=1 packs all but the results JSON and trained pairs into logs.tgz.
-# Stops before the 10-minute limit of one device call (BUDGET_S, default 570).
+#   kernels  build vLLM's CUDA ops (kernels.py build), then set up with them;
+#          skipped when the carried .device/kernels/kernels-libs.tar.xz (laid
+#          from the device cache by kernels.py stage) is the build of the
+#          carried sources and kernels.py for this device's torch. KERNELS=DIR or KERNELS=kernels-libs.tar.xz names an
+#          earlier build (default: the carried one); setup refuses to run
+#          without one
+#   sh-NAME  the shell command in $SH_NAME (NAME upper-cased, "-" as "_"):
+#          a probe as one stage of a plan; the CPU tests' stand-in stages
+# A plan is the stages in order: setup runs once, then each stage that fits
+# in what is left of BUDGET_S (default 570, under the 10-minute limit of one
+# device call); a stage whose measured seconds (measured_s below, or
+# NEED_S_<STAGE>) exceed what is left is skipped with a line.
+# Logs land in $OUT (the device tool's output folder) or /tmp/gpu_harness_out.
+# OUT_PACK=1 (the default): the stages write to a work folder, and after
+# each stage $OUT gets what has finished, each archive replaced whole:
+# results.tgz (every JSON), logs.tgz (the rest), summary.log, the artifacts
+# made here (kernels-libs.tar.xz, fi-jit.tar.xz, pair-NAME.tgz) and
+# artifacts.json, their keys (device_cache.py seal): at most 8 files, so a call
+# cut in a later stage still returns every earlier one. OUT_PACK=0 writes
+# into $OUT directly.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_harness_out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-570}
+OUT_PACK=${OUT_PACK:-1}
+RET=$OUT
+if [[ $OUT_PACK == 1 ]]; then
+  OUT=${OUT_WORK:-/tmp/gpu_harness_work.$$}
+  rm -rf "$OUT" && mkdir -p "$OUT"
+fi
 STAGES=${*:-ops e2e bench}
 # NVLink multicast stays off (shared hosts); children inherit all of these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -64,22 +84,78 @@ export EAGLE3_GPU_RESULTS_DIR="$OUT/results"
 SITE=/tmp/site
 export PYTHONPATH="$SITE"
 
+# Seconds each stage took where it was measured (docs/gpu.md, "The plan",
+# says on which card and build); 0: not measured, run with what is left.
+measured_s() {
+  case $1 in
+    kernels) echo 278 ;;
+    e2e) echo 371 ;;
+    acceptance) echo 327 ;;
+    int4-aux) echo 377 ;;
+    fulldepth-plain,llama) echo 461 ;;
+    fulldepth-mla) echo 183 ;;
+    serving|serving-dsv3|serving-kimi) echo 302 ;;
+    *) echo 0 ;;
+  esac
+}
 left() { echo $(( BUDGET_S - SECONDS )); }
 stage() {  # stage NAME MAX_SECONDS LOG CMD...
   local name=$1 max=$2 log=$3; shift 3
   local t=$(left); (( t > max )) && t=$max
-  if (( t < 20 )); then echo "== $name: skipped, ${t}s left" | tee -a "$OUT/summary.log"; return 99; fi
+  local v=NEED_S_$(tr 'a-z,-' 'A-Z__' <<<"$name")
+  local need=${!v:-$(measured_s "$name")}
+  if (( need > $(left) )); then
+    echo "== $name: skipped, measured ${need}s, $(left)s left" | tee -a "$OUT/summary.log"; publish; return 99
+  fi
+  if (( $(left) < 20 )); then echo "== $name: skipped, $(left)s left" | tee -a "$OUT/summary.log"; publish; return 99; fi
   echo "== $name (limit ${t}s) at ${SECONDS}s" | tee -a "$log"
   timeout --kill-after=10 "$t" "$@" >>"$log" 2>&1
   local rc=$?
   echo "== $name rc=$rc at ${SECONDS}s" | tee -a "$log" "$OUT/summary.log"
+  publish
   return $rc
+}
+# The FlashInfer JIT cache as it stands (file names and sizes, its log aside): packed as
+# fi-jit.tar.xz when it grew past what was carried.
+fi_state() { find "${FLASHINFER_WORKSPACE_BASE}/.cache" -type f ! -name '*.log' -printf '%P %s\n' 2>/dev/null | sort | md5sum; }
+# publish: what has finished, into $RET (OUT_PACK=1); each file written under
+# another name first and renamed, so a call cut mid-copy keeps the last whole one.
+publish() {
+  [[ $OUT_PACK == 1 ]] || return 0
+  local f n p=part$BASHPID made=()
+  if [[ -n ${FI_PACKED:-} && -d ${FLASHINFER_WORKSPACE_BASE}/.cache && $(fi_state) != "$FI_PACKED" ]]; then
+    tar -cJf "$OUT/$p.fi-jit.tar.xz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null \
+      && mv "$OUT/$p.fi-jit.tar.xz" "$OUT/fi-jit.tar.xz" && FI_PACKED=$(fi_state)
+  fi
+  for f in "$OUT"/kernels-libs.tar.xz "$OUT"/fi-jit.tar.xz "$OUT"/pair-*.tgz; do
+    [[ -f $f ]] || continue
+    n=$(basename "$f")
+    cp "$f" "$RET/$p.$n" && mv "$RET/$p.$n" "$RET/$n" && made+=("$RET/$n")
+  done
+  (( ${#made[@]} )) && python3 tools/gpu_harness/device_cache.py seal --out "$RET" --torch "${DEVICE_TORCH:-unknown}" \
+    "${made[@]}" >>"$OUT/summary.log" 2>&1
+  (cd "$OUT" && find . -type f -name '*.json' -print0 | tar --null -czf "$RET/$p.results.tgz" -T - 2>/dev/null)
+  mv "$RET/$p.results.tgz" "$RET/results.tgz"
+  (cd "$OUT" && find . -type f ! -name '*.json' ! -name 'pair-*.tgz' ! -name kernels-libs.tar.xz ! -name '*fi-jit.tar.xz' \
+     ! -name summary.log -print0 | tar --null -czf "$RET/$p.logs.tgz" -T - 2>/dev/null)
+  mv "$RET/$p.logs.tgz" "$RET/logs.tgz"
+  if [[ -f $OUT/summary.log ]]; then cp "$OUT/summary.log" "$RET/$p.summary.log" && mv "$RET/$p.summary.log" "$RET/summary.log"; fi
+  return 0
 }
 
 # kernels: build vLLM's own CUDA ops from the carried sources (.device/kernels,
 # kernels.py stage) first, then set up with them; the
 # libraries and kernels.json also go to $OUT. KERNELS=DIR reuses a build.
 KERNELS_OUT=${KERNELS_OUT:-.device/kernels/out}
+DEVICE_TORCH=${DEVICE_TORCH:-$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)}
+# The carried kernels build and pairs (laid from the device cache with their
+# key files): a stale one (its tree or torch changed since) is removed.
+python3 tools/gpu_harness/device_cache.py check-laid --torch "$DEVICE_TORCH" 2>&1 | tee -a "$OUT/summary.log"
+if [[ -z ${KERNELS:-} && -f .device/kernels/kernels-libs.tar.xz ]]; then
+  export KERNELS=.device/kernels/kernels-libs.tar.xz
+  STAGES=" $STAGES "; STAGES=${STAGES// kernels / }
+  echo "== kernels: the carried kernels-libs.tar.xz is used, not rebuilt" | tee -a "$OUT/summary.log"
+fi
 if [[ " $STAGES " == *" kernels "* ]]; then
   # 480 s: the cold build with FA3 and DeepGEMM took 291-309 s; Marlin MoE's
   # one object (about 270 s) sets the wall time of this one.
@@ -93,6 +169,7 @@ fi
 if [[ ${SKIP_SETUP:-0} != 1 ]]; then  # device_parallel.sh has set up already
   stage setup 180 "$OUT/setup.log" bash tools/gpu_harness/device_setup.sh "$SITE" || { tail -40 "$OUT/setup.log"; exit 1; }
 fi
+FI_PACKED=$(fi_state)  # what setup unpacked from a carried fi-jit.tar.xz
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >>"$OUT/setup.log" 2>&1
 for s in $STAGES; do
   case $s in
@@ -148,8 +225,10 @@ for s in $STAGES; do
              --artifacts /tmp/profile-art --out "$OUT/profile" ${PROFILE_ARGS:-} ;;
     project) stage project ${PROJECT_LIMIT_S:-400} "$OUT/project.log" python3 tools/gpu_harness/project.py run \
                --model deepseek-v3 --out "$OUT/project" ${PROJECT_ARGS:-} ;;
-    fulldepth) stage fulldepth ${FULLDEPTH_LIMIT_S:-585} "$OUT/fulldepth.log" python3 tools/gpu_harness/fulldepth.py run \
-                 --out "$OUT/fulldepth" ${FULLDEPTH_ARGS:---model kimi-k25-int4} ;;
+    fulldepth|fulldepth-*)  # fulldepth-ENGINES: --engines ENGINES (fulldepth-plain,llama), one results folder each
+      e=${s#fulldepth}; e=${e#-}
+      stage "$s" ${FULLDEPTH_LIMIT_S:-585} "$OUT/fulldepth.log" python3 tools/gpu_harness/fulldepth.py run \
+        --out "$OUT/$s" ${FULLDEPTH_ARGS:---model kimi-k25-int4} ${e:+--engines "$e"} ;;
     backends|backends-*)
       b=${s#backends}; b=${b#-}
       stage "$s" ${BACKENDS_LIMIT_S:-540} "$OUT/prod.log" env ${b:+EAGLE3_BACKENDS=$b} \
@@ -185,6 +264,9 @@ for s in $STAGES; do
       done
       grep -hE "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT"/serving-*.log | tail -30 ;;
     kernels) ;;  # built above, before setup
+    sh-*)
+      v=SH_$(tr 'a-z-' 'A-Z_' <<<"${s#sh-}")
+      stage "$s" ${SH_LIMIT_S:-585} "$OUT/$s.log" bash -c "${!v:-echo $v is not set >&2; exit 2}" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
@@ -195,10 +277,6 @@ for f in "$OUT"/ops.log "$OUT"/e2e.log "$OUT"/acceptance.log "$OUT"/e2e_rest.log
 [[ -f $OUT/project.log ]] && { echo "== project"; grep -E "^STEP|Error|projected" "$OUT/project.log" | cut -c1-600 | tail -12; }
 [[ -f $OUT/speed.log ]] && { echo "== speed"; grep -E "^SPEED|Error" "$OUT/speed.log" | cut -c1-1500 | tail -8; }
 [[ -f $OUT/bench.log ]] && { echo "== bench"; grep -E "RESULT|tok/s|equal to plain|captured|rule accuracy|Error|SPEEDUP|predicted" "$OUT/bench.log" | cut -c1-1500 | tail -24; }
-# OUT_PACK=1: at most 8 files come back from a device call; all but the
-# results JSON and the trained pairs go into one logs.tgz.
-if [[ ${OUT_PACK:-0} == 1 ]]; then
-  (cd "$OUT" && tar czf /tmp/gpu_harness_logs.tgz --exclude 'pair-*.tgz' --exclude '*.json' . \
-     && find . -type f ! -name '*.json' ! -name 'pair-*.tgz' -delete && mv /tmp/gpu_harness_logs.tgz logs.tgz)
-fi
+publish
+[[ $OUT_PACK == 1 ]] && rm -rf "$OUT"
 exit 0

@@ -45,7 +45,11 @@ cp tools/gpu_harness/dsa_ops.py "$SITE/vllm/_gpu_harness_dsa_ops.py"
 cp tools/gpu_harness/fi_prefill.py "$SITE/_eagle3_fi_prefill.py"
 cp tools/gpu_harness/harness_sitecustomize.py "$SITE/sitecustomize.py"
 if [[ -f .device/fi-jit/fi-jit.tar.xz ]]; then
-  mkdir -p "${FLASHINFER_WORKSPACE_BASE:-$HOME}" && tar -xJf .device/fi-jit/fi-jit.tar.xz -C "${FLASHINFER_WORKSPACE_BASE:-$HOME}"
+  # Packed from the workspace (.cache/flashinfer/...), as device_run.sh packs
+  # it, or with one folder above that (the first one came as fi-ws/.cache/...).
+  strip=1; [[ $(tar -tJf .device/fi-jit/fi-jit.tar.xz | head -1) == .cache* ]] && strip=0
+  mkdir -p "${FLASHINFER_WORKSPACE_BASE:-$HOME}" \
+    && tar -xJf .device/fi-jit/fi-jit.tar.xz -C "${FLASHINFER_WORKSPACE_BASE:-$HOME}" --strip-components=$strip
 fi
 rm -rf "$SITE/xgrammar" && cp -r tools/gpu_harness/stubs/xgrammar "$SITE/"
 PYTHONPATH="$SITE" python3 - <<'PY'

@@ -11,7 +11,9 @@ and verified by tools.fetch: the sdist's ``CMakeLists.txt``, ``cmake/`` and
 ``csrc/`` (from ``vllm-0.16.0.tar.gz``), and the ``nvidia-cutlass`` wheel,
 whose ``cutlass_library/source`` holds CUTLASS's C++ headers and whose
 ``cutlass_library`` package is the generator vLLM's CMake runs for Machete's
-kernel sources (at configure time, from ``${CUTLASS_DIR}/python``).
+kernel sources (at configure time, from ``${CUTLASS_DIR}/python``). It then
+lays the ``kernels-libs.tar.xz`` built from them, when the device cache holds
+one whose key matches (device_cache.py), so that the device skips the build.
 
 ``build`` verifies both again (the wheel against pin.toml, the sdist subset
 against the digest stage recorded from the verified sdist), unpacks them, and
@@ -241,6 +243,11 @@ def stage(args: argparse.Namespace) -> int:
     size = sum(p.stat().st_size for p in STAGE_DIR.iterdir() if p.is_file())
     print(f"[{TOOL}] staged {len(manifest)} archives in {STAGE_DIR} ({size / 2**20:.1f} MiB); "
           f"carry '.device/kernels'")
+    # The built libraries of these sources, when the device cache has them
+    # (device_cache.py): the device then skips the build.
+    from tools.gpu_harness import device_cache
+
+    print(f"[{TOOL}] {device_cache.lay('kernels', device_cache.inputs('kernels', REPO_ROOT), REPO_ROOT)}")
     return 0
 
 

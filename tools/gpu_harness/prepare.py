@@ -23,6 +23,11 @@
    ``.device/whl`` to leave room for trained pairs (device_setup.sh unpacks
    it when present).
 
+4. From the device cache (``device_cache.py``), where their keys match:
+   FlashInfer's JIT cache into ``.device/fi-jit`` and the serving suite's
+   trained pairs into ``.device/pairs``, each with its key file; each line
+   says what was laid, or which input changed.
+
 ``.device/`` is git-ignored; name ``.device/whl`` and ``.device/vllm`` in the
 device call's ``carry``, with ``.device/kernels`` (the kernel sources of
 ``kernels.py stage``, and the ``kernels-libs.tar.xz`` a build returns). The DSA
@@ -212,6 +217,16 @@ def pack_site(wheels: list[Path], out: Path) -> Path:
     return out
 
 
+def lay_cached() -> None:
+    """FlashInfer's JIT cache and the serving suite's trained pairs, from the
+    device cache where their keys match (device_cache.py); what is not laid,
+    the device makes once."""
+    from tools.gpu_harness import device_cache
+
+    for kind in ("fi-jit", "pair-dsv3", "pair-kimi"):
+        print(f"[prepare] {device_cache.lay(kind, device_cache.inputs(kind, REPO_ROOT), REPO_ROOT)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stock", action="store_true", help="do not apply patches/series")
@@ -238,9 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     if wl is None:
         raise SystemExit("tools/gpu_harness/wheels.txt not found; pass --wheel-list")
     wheels = stage_wheels(wl, DEVICE_DIR / "whl", download=not args.no_download)
+    lay_cached()
 
     sizes = {
         ".device/vllm": sum(t.stat().st_size for t in [DEVICE_DIR / "vllm" / "vllm-py.tar.xz", *extra_tar]),
+        **{f".device/{d}": sum(f.stat().st_size for f in (DEVICE_DIR / d).iterdir())
+           for d in ("fi-jit", "pairs") if (DEVICE_DIR / d).is_dir()},
     }
     site = DEVICE_DIR / "site" / "site.tar.xz"
     if args.site:
