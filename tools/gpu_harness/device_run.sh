@@ -90,9 +90,9 @@ measured_s() {
   case $1 in
     kernels) echo 278 ;;
     e2e) echo 371 ;;
-    acceptance) echo 327 ;;
+    acceptance|int4-acceptance) echo 470 ;;
     int4-aux) echo 377 ;;
-    fulldepth-plain,llama) echo 461 ;;
+    fulldepth-plain,llama) echo 522 ;;
     fulldepth-mla) echo 183 ;;
     serving|serving-dsv3|serving-kimi) echo 302 ;;
     *) echo 0 ;;
