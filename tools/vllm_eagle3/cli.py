@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from ._base import (CANNOT, OK, PROBLEM, ToolError, children_never_shadowed,
-                    drop_source_trees_from_path, dump_json, parse_ids, quiet_libraries,
-                    refuse_swapped, resolve_checkpoint)
+                    drop_source_trees_from_path, dump_json, parse_ids, print_out,
+                    quiet_libraries, refuse_swapped, resolve_checkpoint)
 
 PROG = "vllm-eagle3"
 EXIT = """exit status:
@@ -60,8 +62,9 @@ SHOW = """\
 Which target layers vLLM feeds the drafter: its aux ids, where they come from
 (top-level eagle_aux_hidden_state_layer_ids, nested eagle_config..., or the
 target's default (2, n//2, n-3)), and each id read both ways. In vLLM an aux
-id k is the INPUT of target layer k; SGLang, SpecForge and speculators' data
-generation count the OUTPUT of layer k, which is vLLM's id k + 1.
+id k is the INPUT of target layer k; SGLang, SpecForge, TorchSpec and
+speculators 0.3-0.4 count the OUTPUT of layer k, which is vLLM's id k + 1;
+speculators from 0.5 writes vLLM's ids.
 
 output:
   drafter: DIR (architectures: [...])
@@ -132,6 +135,29 @@ output:
   verdict: input-of-layer | output-of-layer | ids a,b,c | undetermined"""
 
 
+class UsageError(ToolError):
+    """A bad command line, as argparse words it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line that says where the arguments are
+    explained, and reaches run(), which prints it as JSON under --json."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (`{self.prog} --help` explains "
+                         "the arguments)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the lines (the same fields); an "
@@ -154,7 +180,7 @@ def version() -> str:
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    ap = argparse.ArgumentParser(prog=prog, description=MAIN, formatter_class=fmt)
+    ap = Parser(prog=prog, description=MAIN, formatter_class=fmt)
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}",
                     help="print the version (the series wheel's) and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="SUBCOMMAND")
@@ -209,7 +235,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cp.add_argument("--from", dest="convention", required=True,
                     choices=("output-of-layer", "input-of-layer"),
                     help="how the config's ids count: output-of-layer (SGLang, SpecForge, "
-                         "speculators) or input-of-layer (vLLM)")
+                         "speculators 0.3-0.4) or input-of-layer (vLLM, speculators from 0.5)")
     cp.add_argument("--ids", type=parse_ids, metavar="K,K,K",
                     help="the ids the drafter was trained on, for a config that has none")
     cp.add_argument("--target", type=Path, metavar="TARGET_DIR",
@@ -234,14 +260,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "(for a drafter whose config names no ids, or ids of another run)")
     lp.add_argument("--prompts", type=Path, metavar="FILE",
                     help="one prompt a line (default: a built-in set of 8)")
-    lp.add_argument("--max-tokens", type=int, default=64, metavar="T",
+    lp.add_argument("--max-tokens", type=positive_int, default=64, metavar="T",
                     help="greedy tokens per prompt (default 64)")
     lp.add_argument("--write", action="store_true",
                     help="write the winning ids into config.json as convert does (in place, "
                          "config.json.orig kept); refused when undetermined")
     lp.add_argument("--via", choices=("auto", "replay", "spec-decode"), default="auto",
                     help="auto (default): replay on the CPU build, spec-decode on a GPU")
-    lp.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP",
+    lp.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="TP",
                     help="spec-decode: the target's tensor-parallel size")
     lp.add_argument("--enforce-eager", action="store_true",
                     help="spec-decode: no torch.compile or CUDA graphs (faster start)")
@@ -286,11 +312,11 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.cmd == "convert":
             done = convert_data(args.drafter, args.convention, out=args.out,
                                 target=args.target, ids=args.ids)
-            print(dump_json({k: v for k, v in done.items() if k != "lines"}) if args.json
+            print_out(dump_json({k: v for k, v in done.items() if k != "lines"}) if args.json
                   else "\n".join(done["lines"]))
             return OK
         data = show_data(args.drafter, args.target)
-        print(dump_json(data) if args.json else "\n".join(show_lines(data)))
+        print_out(dump_json(data) if args.json else "\n".join(show_lines(data)))
         return PROBLEM if data["problems"] else OK
     from .layers import series_reader
 
@@ -299,7 +325,7 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .fit import check
 
         rep = check(args.drafter, args.target, args.trust_remote_code)
-        print(dump_json({"header": rep.header, "checks": rep.records[:-1],
+        print_out(dump_json({"header": rep.header, "checks": rep.records[:-1],
                          "problems": rep.problems, "fits": not rep.problems})
               if args.json else "\n".join(rep.lines))
         return PROBLEM if rep.problems else OK
@@ -312,26 +338,48 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     result = calibrate(args.drafter, args.target, prompts=args.prompts,
                        max_tokens=args.max_tokens, write=args.write, via=args.via,
                        engine_args=engine_args, candidates=args.candidates)
-    print(dump_json({k: v for k, v in result.items() if k != "lines"}) if args.json
+    print_out(dump_json({k: v for k, v in result.items() if k != "lines"}) if args.json
           else "\n".join(result["lines"]))
     return PROBLEM if result["verdict"] == "undetermined" else OK
 
 
 def run(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
-    """The console script: errors in one line on stderr, exit status 2."""
+    """The console script: an error is one line on stderr (or, with --json,
+    {"error": ...} on stdout), exit status 2; never a traceback, unless -v
+    asks for one of an error that is not the input's."""
     drop_source_trees_from_path()
-    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
-    try:
-        return main(argv, prog)
-    except ToolError as e:
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_json, verbose = "--json" in args, "-v" in args or "--verbose" in args
+
+    def fail(line: str) -> int:
         if as_json:
-            print(dump_json({"error": str(e), "exit_status": CANNOT}), flush=True)
+            print_out(dump_json({"error": line, "exit_status": CANNOT}))
         else:
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                print(line, file=sys.stderr, flush=True)
         return CANNOT
+
+    try:
+        return main(args, prog)
+    except UsageError as e:
+        return fail(str(e))
+    except ToolError as e:
+        return fail(f"{prog}: error: {e}")
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        print_out("")  # the reader left: quiet, as print_out is
+        return CANNOT
+    except Exception as e:  # noqa: BLE001 - a bug, not the input: one line, -v shows it
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        text = " ".join(str(e).split())[:300]
+        return fail(f"{prog}: error: unexpected {type(e).__name__}: {text} (vllm-eagle3 "
+                    "has no check for this input yet: rerun with -v for the traceback and "
+                    "report it)")
 
 
 def console() -> None:
