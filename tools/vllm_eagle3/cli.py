@@ -26,8 +26,8 @@ The drafter tools of the EAGLE-3 series for vLLM 0.16.0: what an EAGLE-3
 drafter is fed, whether it fits its target, and which layer numbering it was
 trained in. They ask the installed vLLM (the series' wheel): run them with
 the Python of the environment that serves. show, check and convert read
-configs and safetensors headers only (no GPU, no weights); calibrate runs
-the target model (a GPU, or the CPU build).
+configs and weight headers only (no GPU, no weights); calibrate runs the
+target model (a GPU, or the CPU build).
 
   vllm-eagle3 doctor                                  is the series installed?
   vllm-eagle3 show DRAFTER [--target TARGET]          which layers vLLM feeds it
@@ -82,9 +82,10 @@ output:
 CHECK = """\
 Preflight: does the drafter fit the target? Reads both configs through vLLM
 (SpeculativeConfig, as the engine does) and the drafter's safetensors
-headers, never the weights; builds vLLM's drafter class on the meta device
-and runs its own load_weights over tensors of the header's shapes. Needs no
-GPU: the verdicts are the same with the CUDA wheel on a machine without one.
+headers (or its pytorch_model*.bin, mapped onto the meta device), never the
+weights; builds vLLM's drafter class on the meta device and runs its own
+load_weights over tensors of those shapes. Needs no GPU: the verdicts are
+the same with the CUDA wheel on a machine without one.
 
 output (one line per check):
   drafter DIR -> target DIR (model_type, N layers, hidden H, vocab V)
@@ -124,7 +125,9 @@ it beats the runner-up by 0.05 in mean acceptance length and by 3 standard
 errors. Runs the target model: on a GPU it serves the target with the
 drafter once per reading (the engine's spec-decode counters); on the CPU
 build it captures the states in one CPU engine run and replays drafting with
-vLLM's drafter class. A progress bar goes to stderr.
+vLLM's drafter class (not for GLM-5 or DeepSeek-V3.2 targets: their sparse
+attention needs vLLM's MLA path, which the CPU build lacks; calibrate them
+on a GPU). A progress bar goes to stderr.
 
 output:
   drafter DIR, target DIR (N layers): aux ids [...] from SOURCE
@@ -132,7 +135,8 @@ output:
   READING [ids]: mean acceptance length L over D drafts; accepted at
       position 1..3: r1 r2 r3            one line per reading
   margin rule: BEST beats RUNNER-UP by G in mean acceptance length, needed M
-  verdict: input-of-layer | output-of-layer | ids a,b,c | undetermined"""
+  verdict: input-of-layer | output-of-layer | ids a,b,c | undetermined
+  with --write: what convert prints, or "nothing written" (undetermined)"""
 
 
 class UsageError(ToolError):
@@ -213,10 +217,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     _add_json(sp)
 
     kp = add("check", CHECK, "preflight: does the drafter fit the target? (configs and "
-             "safetensors headers only)", ok="the pair fits (warn lines may remain)",
+             "weight headers only)", ok="the pair fits (warn lines may remain)",
              problem="a FAIL line: the pair does not fit", verb="check")
     kp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json, *.safetensors), or "
+                    help="the drafter's checkpoint directory (config.json, *.safetensors or "
+                         "pytorch_model*.bin), or "
                          "org/name in the Hugging Face cache")
     kp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True,
                     help="the target's checkpoint directory (or org/name in the Hugging Face "
@@ -264,7 +269,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                     help="greedy tokens per prompt (default 64)")
     lp.add_argument("--write", action="store_true",
                     help="write the winning ids into config.json as convert does (in place, "
-                         "config.json.orig kept); refused when undetermined")
+                         "config.json.orig kept); when undetermined nothing is written (exit 1)")
     lp.add_argument("--via", choices=("auto", "replay", "spec-decode"), default="auto",
                     help="auto (default): replay on the CPU build, spec-decode on a GPU")
     lp.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="TP",

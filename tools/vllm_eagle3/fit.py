@@ -481,9 +481,13 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
 
     try:
         ids, source = engine_ids(hf, n)
-    except ValueError as e:  # the two places disagree, or hold no list
-        rep.fail(f"vLLM refuses the drafter's ids: {e}", "keep the one list the drafter "
-                 "was trained with (`show`, then `convert`)")
+    except ValueError as e:  # the two places disagree, hold no list, or no eagle_config
+        if "eagle_config must be" in str(e):
+            rep.fail(f"vLLM refuses the drafter config: {str(e).split(': write', 1)[0]}",
+                     "write eagle_config in config.json as a JSON object, or delete it")
+        else:
+            rep.fail(f"vLLM refuses the drafter's ids: {e}", "keep the one list the drafter "
+                     "was trained with (`show`, then `convert`)")
         return _finish(rep)
     bad = [k for k in ids if not 0 <= k <= n]
     if not bad and list(ids) == sorted(set(ids)):
