@@ -137,6 +137,20 @@ def _ckpt_key(name: str) -> str:
     return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
 
 
+# Checkpoint tensors that vLLM's layers stack into one parameter.
+FUSED = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+         (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."),
+         (".q_a_proj.", ".fused_qkv_a_proj."), (".kv_a_proj_with_mqa.", ".fused_qkv_a_proj."))
+
+
+def _param_key(name: str) -> str:
+    """A checkpoint or parameter name as the parameter it loads into."""
+    key = _ckpt_key(name)
+    for part, fused in FUSED:
+        key = key.replace(part, fused)
+    return key
+
+
 @contextlib.contextmanager
 def _quiet_stdout() -> Iterator[None]:
     """gloo prints a line per process group on file descriptor 1, into the report."""
@@ -311,7 +325,7 @@ class Report:
         """``tensors``: checkpoint names (or name prefixes) this line already
         explains; the load check names no other problem with them."""
         self.problems += 1
-        self.blamed.update(_ckpt_key(t) for t in tensors)
+        self.blamed.update(k for t in tensors for k in (_ckpt_key(t), _param_key(t)))
         self.records.append({"status": "fail", "message": msg, "fix": fix})
 
     def retract(self, prefix: str) -> None:
@@ -321,7 +335,7 @@ class Report:
                         if not (r["status"] == "ok" and r["message"].startswith(prefix))]
 
     def explained(self, name: str) -> bool:
-        key = _ckpt_key(name).replace("draft_id_to_target_id", "d2t")
+        key = _param_key(name).replace("draft_id_to_target_id", "d2t")
         return any(key.startswith(b) for b in self.blamed)
 
 
