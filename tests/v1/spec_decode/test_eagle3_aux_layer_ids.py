@@ -279,3 +279,23 @@ def test_every_eagle_config_reader_takes_both_forms(form):
     proposer = object.__new__(SpecDecodeBaseProposer)
     proposer.method, proposer.draft_model_config = "eagle3", draft
     assert proposer._get_eagle3_use_aux_hidden_state_from_config() is False
+
+
+@pytest.mark.parametrize("value", ["{\"use_aux_hidden_state\": false}", [2, 30, 58]],
+                         ids=["string", "list"])
+def test_an_eagle_config_that_is_not_an_object_is_refused_in_one_line(
+        value, tiny_config, monkeypatch):
+    """config.json with eagle_config as a string (a JSON object quoted once
+    too often) or a list: before, the first reader raised AttributeError
+    ('str' object has no attribute 'to_dict') while SpeculativeConfig was
+    built. Now every reader refuses it with one line naming the field."""
+    with pytest.raises(ValueError) as direct:
+        get_eagle3_aux_layer_ids(draft_config(eagle_config=value))
+    msg = str(direct.value)
+    assert msg.startswith("The draft model config's eagle_config must be a JSON object")
+    assert f"got {type(value).__name__} {value!r}" in msg and "\n" not in msg
+
+    target = tiny_config("deepseek_v3", "target", num_hidden_layers=LAYERS)
+    draft = tiny_config("llama_eagle3", "draft", eagle_config=value)
+    with pytest.raises(ValueError, match="eagle_config must be a JSON object"):
+        build_from(target, draft, monkeypatch)
