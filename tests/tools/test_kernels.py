@@ -79,7 +79,9 @@ def test_every_build_source_is_a_pinned_registry_artifact(staged: Path):
         if name == "vllm-src":
             continue
         assert arts[name]["sha256"] == digest == hashlib.sha256((staged / name).read_bytes()).hexdigest()
-    assert {p.name for p in staged.iterdir()} == {"sources.json", "vllm-src.tar.xz", *sources} - {"vllm-src"}
+    # and the key file device_cache.py lays beside them (what a build of them would be keyed by)
+    assert {p.name for p in staged.iterdir()} == {"sources.json", "vllm-src.tar.xz", "kernels-libs.key.json",
+                                                  *sources} - {"vllm-src"}
 
 
 def test_build_unpacks_cutlass_headers_and_refuses_a_changed_wheel(staged: Path, tmp_path: Path):

@@ -178,12 +178,14 @@ def pair_inputs(tree: Tree, pair: str, torch: str) -> dict[str, str]:
             "transformers": wheel_pins(tree).get("transformers", "not pinned"), "device torch": torch}
 
 
-def inputs(kind: str, root: Path = REPO_ROOT, torch: str | None = None) -> dict[str, str]:
+def inputs(kind: str, root: Path = REPO_ROOT, torch: str | None = None,
+           sources: dict[str, str] | None = None) -> dict[str, str]:
     """The current inputs of ``kind`` in the checkout at ``root`` (its staged
-    ``.device/`` included)."""
+    ``.device/`` included; ``sources``: the kernels' staged digests where
+    they were just staged elsewhere)."""
     tree, torch = Tree(root), torch or device_torch()
     if kind == "kernels":
-        return kernels_inputs(tree, staged_sources(root), torch)
+        return kernels_inputs(tree, sources if sources is not None else staged_sources(root), torch)
     if kind == "fi-jit":
         return fi_jit_inputs(tree, root / ".device" / "whl", torch)
     if kind in ARTIFACTS:
@@ -241,10 +243,14 @@ def store(kind: str, artifact: Path, ins: dict[str, str], origin: str) -> str:
     return key
 
 
-def lay(kind: str, ins: dict[str, str], root: Path = REPO_ROOT) -> str:
-    """Lay the cached artifact of these inputs into ``root/.device/...``, with
-    its key file; remove a laid one of other inputs. Returns the line to print."""
+def lay(kind: str, ins: dict[str, str], root: Path = REPO_ROOT, dest: Path | None = None) -> str:
+    """Lay the cached artifact of these inputs into ``root/.device/...`` (or
+    ``dest``), with its key file; remove a laid one of other inputs. Returns
+    the line to print."""
     name, rel = ARTIFACTS[kind]
+    if dest is not None:
+        dest = Path(dest)
+        rel = str(dest.relative_to(root)) if dest.is_relative_to(root) else str(dest)
     dest = root / rel
     dest.mkdir(parents=True, exist_ok=True)
     key = make_key(kind, ins)

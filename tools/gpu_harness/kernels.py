@@ -247,7 +247,8 @@ def stage(args: argparse.Namespace) -> int:
     # (device_cache.py): the device then skips the build.
     from tools.gpu_harness import device_cache
 
-    print(f"[{TOOL}] {device_cache.lay('kernels', device_cache.inputs('kernels', REPO_ROOT), REPO_ROOT)}")
+    ins = device_cache.inputs("kernels", REPO_ROOT, sources=manifest)
+    print(f"[{TOOL}] {device_cache.lay('kernels', ins, REPO_ROOT, dest=STAGE_DIR)}")
     return 0
 
 
