@@ -42,6 +42,12 @@ def no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
 
 
+def one_fail(proc: subprocess.CompletedProcess[str]) -> str:
+    """The single FAIL line of a `check` that found one problem (exit 1)."""
+    fail = one_fail(proc)
+    return fails[0]
+
+
 def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
     """The single line an error prints on stderr (nothing on stdout)."""
     no_traceback(proc)
@@ -240,11 +246,9 @@ def test_check_reads_a_pytorch_bin_drafter(user_venv: Path, tmp_path: Path) -> N
     assert ok.returncode == 0, ok.stdout + ok.stderr[-2000:]
     (sharded / "pytorch_model-00002-of-00002.bin").unlink()
     gone = command(user_venv, "check", "sharded", "--target", "target", cwd=tmp_path)
-    no_traceback(gone)
-    fails = [x for x in gone.stdout.splitlines() if x.startswith("FAIL")]
-    assert gone.returncode == 1 and len(fails) == 1, gone.stdout
+    fail = one_fail(gone)
     assert "pytorch_model-00002-of-00002.bin, which pytorch_model.bin.index.json lists, is " \
-        "missing" in fails[0] and "; fix: download every file the index lists" in fails[0]
+        "missing" in fail and "; fix: download every file the index lists" in fail
     assert "ok    architectures" in gone.stdout and "ok    aux ids [1, 3, 5]" in gone.stdout
 
 
@@ -262,19 +266,16 @@ def test_missing_shard_and_dangling_symlink(user_venv: Path, tmp_path: Path) -> 
                                     if k != "fc.weight"})
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     check = command(user_venv, "check", str(d), "--target", str(DEEPSEEK_R1), cwd=tmp_path)
-    no_traceback(check)
-    fails = [x for x in check.stdout.splitlines() if x.startswith("FAIL")]
-    assert check.returncode == 1 and len(fails) == 1, check.stdout
+    fail = one_fail(check)
     assert "model-00002-of-00002.safetensors, which model.safetensors.index.json lists, is " \
-        "missing" in fails[0] and "fix: download every file the index lists" in fails[0]
+        "missing" in fail and "fix: download every file the index lists" in fail
     assert "ok    architectures" in check.stdout and "ok    hidden sizes" in check.stdout
 
     (d / "model-00002-of-00002.safetensors").symlink_to("../../blobs/0123abcd")
     check = command(user_venv, "check", str(d), "--target", str(DEEPSEEK_R1), cwd=tmp_path)
-    fails = [x for x in check.stdout.splitlines() if x.startswith("FAIL")]
-    assert check.returncode == 1 and len(fails) == 1, check.stdout
+    fail = one_fail(check)
     assert "model-00002-of-00002.safetensors is a symlink to ../../blobs/0123abcd, which " \
-        "does not exist; fix: download the file again" in fails[0], fails
+        "does not exist; fix: download the file again" in fail, fail
 
 
 # ------------------------------------------------- check's lines
@@ -361,12 +362,10 @@ def test_bad_input_is_one_line(user_venv: Path, tmp_path: Path) -> None:
     show = command(user_venv, "show", str(bad), "--target", str(DEEPSEEK_R1), cwd=tmp_path)
     assert "eagle_config must be a JSON object" in one_error_line(show)
     check = command(user_venv, "check", str(bad), "--target", str(DEEPSEEK_R1), cwd=tmp_path)
-    no_traceback(check)
-    fails = [x for x in check.stdout.splitlines() if x.startswith("FAIL")]
-    assert check.returncode == 1 and len(fails) == 1, check.stdout
-    assert "eagle_config must be a JSON object" in fails[0]
-    assert fails[0].endswith("; fix: write eagle_config in config.json as a JSON object, or "
-                             "delete it"), fails[0]
+    fail = one_fail(check)
+    assert "eagle_config must be a JSON object" in fail
+    assert fail.endswith("; fix: write eagle_config in config.json as a JSON object, or "
+                         "delete it"), fail
 
     # A drafter passed as the target (read as a 1-layer llama target before).
     other = tmp_path / "other"
