@@ -44,7 +44,9 @@ def no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
 
 def one_fail(proc: subprocess.CompletedProcess[str]) -> str:
     """The single FAIL line of a `check` that found one problem (exit 1)."""
-    fail = one_fail(proc)
+    no_traceback(proc)
+    fails = [x for x in proc.stdout.splitlines() if x.startswith("FAIL")]
+    assert proc.returncode == 1 and len(fails) == 1, proc.stdout
     return fails[0]
 
 
